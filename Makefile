@@ -1,0 +1,42 @@
+# pagedserve: `make up` runs the local cluster on the default model, `make test` runs the tests.
+# Both create .venv and install what they need on a fresh machine.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+
+.PHONY: up test lint protos check-protos redis-server install clean
+
+install: $(STAMP)
+
+# torch is installed first, pinned, so that no dependency resolves it to a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q redis-server; }
+
+up: $(STAMP) redis-server
+	$(VENV)/bin/pagedserve up $(ARGS)
+
+test: $(STAMP) redis-server
+	$(PY) -m pytest -q $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy control_plane gpu_worker pagedserve
+
+protos: $(STAMP)
+	PYTHON=$(PY) scripts/gen_protos.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

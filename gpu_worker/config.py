@@ -1,0 +1,50 @@
+"""The worker's configuration: one frozen dataclass, built from flags/env in pagedserve.cli."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,  # for exactness tests on CPU
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 50061
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes of KV pool on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of device memory on CUDA
+    swap_space: int = 1 << 30  # bytes of host swap pool
+    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048  # size of the profiling pass on CUDA
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.kv_cache_memory <= 0 or self.swap_space < 0:
+            raise ValueError("kv_cache_memory must be > 0 and swap_space >= 0")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not (0 < self.port < 65536):
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

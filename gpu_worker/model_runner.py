@@ -1,0 +1,188 @@
+"""Executes StepPlans: keeps per-request state between steps, builds the flattened varlen
+batch, runs the model over the paged KV cache and samples.
+
+The control plane owns every decision; this module only follows the plan, in the order
+`pagedserve.plan` documents.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.attention import AttentionBackend, BatchLayout
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.models.llama import CausalLM
+from gpu_worker.sampler import Sampler, SamplingRow
+from pagedserve.plan import NewRequestData, StepPlan, StepResult
+from pagedserve.sampling_params import SamplingParams
+
+
+class PlanError(ValueError):
+    """A plan that contradicts the worker's state (unknown request, bad block id, ...)."""
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + output
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    layout: BatchLayout
+    sample_rows: torch.Tensor  # [R] flat token row whose logits are sampled
+    sample_req_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache, backend: AttentionBackend) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.sampler = Sampler()
+        self.device = cache.kv.device
+        self.block_size = cache.geometry.block_size
+        self.requests: dict[str, RequestState] = {}
+
+    def reset(self) -> None:
+        """Forgets every request (a new control-plane stream starts from nothing)."""
+        self.requests.clear()
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        self._check_blocks(plan)
+        self.cache.swap_out(plan.swap_out)
+        self.cache.swap_in(plan.swap_in)
+        self.cache.copy_blocks(plan.copy_blocks)
+        for new in plan.new_requests:
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling=new.sampling,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in plan.cached_requests:
+            self._state(cached.req_id).block_ids.extend(cached.new_block_ids)
+
+        result = StepResult(step_id=plan.step_id)
+        if plan.num_scheduled_tokens:
+            t1 = time.perf_counter()
+            batch = self._build_batch(plan.num_scheduled_tokens)
+            self.backend.begin_step(batch.layout)
+            hidden = self.model(batch.input_ids, batch.positions, self.backend.forward)
+            states = [self.requests[r] for r in batch.sample_req_ids]
+            if states:
+                logits = self.model.compute_logits(hidden[batch.sample_rows])
+                rows = [
+                    SamplingRow(s.sampling, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
+                    for s in states
+                ]
+                sampled = self.sampler(logits, rows)
+                result.sampled = dict(zip(batch.sample_req_ids, sampled, strict=True))
+            for req_id, n in plan.num_scheduled_tokens.items():
+                self.requests[req_id].num_computed_tokens += n
+            for req_id, tok in result.sampled.items():
+                self.requests[req_id].token_ids.append(tok.token_id)
+            result.model_time_s = time.perf_counter() - t1
+        result.total_time_s = time.perf_counter() - t0
+        return result
+
+    def profile(self, num_tokens: int) -> None:
+        """Runs one prefill of num_tokens tokens so the caller can measure peak memory."""
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        new = NewRequestData(
+            "profile", [0] * num_tokens, [], SamplingParams(temperature=0.0), blocks, 0
+        )
+        self.execute(StepPlan(0, new_requests=[new], num_scheduled_tokens={"profile": num_tokens}))
+        self.reset()
+
+    def _state(self, req_id: str) -> RequestState:
+        try:
+            return self.requests[req_id]
+        except KeyError:
+            raise PlanError(f"plan names unknown request {req_id!r}") from None
+
+    def _check_blocks(self, plan: StepPlan) -> None:
+        limit = self.cache.num_gpu_blocks
+        ids = [b for r in plan.new_requests for b in r.block_ids]
+        ids += [b for r in plan.cached_requests for b in r.new_block_ids]
+        ids += [m.src for m in plan.swap_out] + [m.dst for m in plan.swap_in]
+        ids += [b for m in plan.copy_blocks for b in m]
+        if any(b >= limit for b in ids):
+            raise PlanError(f"plan names a block id outside the pool of {limit} blocks")
+        cpu_limit = self.cache.num_cpu_blocks
+        if any(m.dst >= cpu_limit for m in plan.swap_out) or any(
+            m.src >= cpu_limit for m in plan.swap_in
+        ):
+            raise PlanError(f"plan names a swap block outside the pool of {cpu_limit} blocks")
+
+    def _build_batch(self, scheduled: dict[str, int]) -> _Batch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_req_ids: list[str] = []
+        for req_id, n in scheduled.items():
+            st = self._state(req_id)
+            start = st.num_computed_tokens
+            end = start + n
+            if n < 1 or end > len(st.token_ids):
+                raise PlanError(
+                    f"request {req_id!r}: {n} tokens scheduled from {start}, "
+                    f"but it has {len(st.token_ids)} tokens"
+                )
+            if end > len(st.block_ids) * bs:
+                raise PlanError(f"request {req_id!r}: block table too short for {end} tokens")
+            input_ids.extend(st.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = st.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + n)
+            q_lens.append(n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == len(st.token_ids):
+                sample_rows.append(query_start[-1] - 1)
+                sample_req_ids.append(req_id)
+
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        layout = BatchLayout(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            query_lens_host=q_lens,
+            seq_lens_host=seq_lens,
+        )
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            layout=layout,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_req_ids=sample_req_ids,
+        )

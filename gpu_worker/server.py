@@ -1,0 +1,181 @@
+"""The worker process: loads the model, sizes the KV pool and serves the Worker gRPC contract.
+
+The servicer is thin: protobuf -> plan (pagedserve.wire) -> ModelRunner -> protobuf.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gpu_worker.attention import create_backend
+from gpu_worker.checkpoint import load_model
+from gpu_worker.config import WorkerConfig
+from gpu_worker.kv_cache import CacheGeometry, KVCache
+from gpu_worker.model_runner import ModelRunner, PlanError
+from pagedserve import wire
+from pagedserve.log import get_logger
+from pagedserve.sampling_params import InvalidRequestError
+from protos.v1 import worker_pb2, worker_pb2_grpc
+
+log = get_logger(__name__)
+
+# A second Execute stream waits this long for the first to end before being refused.
+STREAM_ACQUIRE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Worker:
+    config: WorkerConfig
+    runner: ModelRunner
+    info: worker_pb2.WorkerInfo
+
+
+def build_worker(cfg: WorkerConfig) -> Worker:
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    dtype = cfg.torch_dtype
+    model = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    mc = model.config
+    geometry = CacheGeometry(
+        num_layers=mc.num_hidden_layers,
+        num_kv_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim,
+        block_size=cfg.block_size,
+        dtype=dtype,
+    )
+    num_gpu_blocks = _num_device_blocks(cfg, geometry, model)
+    num_cpu_blocks = geometry.num_blocks_for(cfg.swap_space)
+    cache = KVCache(geometry, num_gpu_blocks, num_cpu_blocks, cfg.device)
+    backend = create_backend(
+        cfg.attention_backend, cache, mc.num_attention_heads, mc.head_dim, cfg.device
+    )
+    max_model_len = mc.max_model_len
+    if cfg.max_model_len is not None:
+        max_model_len = min(max_model_len, cfg.max_model_len)
+    info = worker_pb2.WorkerInfo(
+        model=cfg.served_model_name or Path(cfg.model).resolve().name,
+        model_path=str(Path(cfg.model).resolve()),
+        architecture=mc.architecture,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        block_size=cfg.block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        max_model_len=max_model_len,
+        eos_token_ids=list(mc.eos_token_ids),
+        epoch=time.time_ns(),
+        vocab_size=mc.vocab_size,
+        attention_backend=backend.name,
+        kv_cache_bytes=cache.nbytes,
+    )
+    return Worker(cfg, ModelRunner(model, cache, backend), info)
+
+
+def _num_device_blocks(cfg: WorkerConfig, geometry: CacheGeometry, model: torch.nn.Module) -> int:
+    if cfg.device == "cpu":
+        return geometry.num_blocks_for(cfg.kv_cache_memory)
+    # CUDA: what the utilization budget leaves after the weights and a profiling pass of one
+    # max-size prefill (activations), measured rather than guessed.
+    torch.cuda.reset_peak_memory_stats(cfg.device)
+    n = cfg.max_num_batched_tokens
+    probe = KVCache(geometry, math.ceil(n / geometry.block_size), 0, cfg.device)
+    backend = create_backend(
+        cfg.attention_backend,
+        probe,
+        model.config.num_attention_heads,  # type: ignore[union-attr]
+        geometry.head_dim,
+        cfg.device,
+    )
+    runner = ModelRunner(model, probe, backend)  # type: ignore[arg-type]
+    runner.profile(n)
+    peak = torch.cuda.max_memory_allocated(cfg.device) - probe.nbytes
+    del runner, backend, probe
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info(cfg.device)
+    return geometry.num_blocks_for(int(total * cfg.gpu_memory_utilization) - peak)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._stream_lock = threading.Lock()
+
+    def Describe(
+        self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        return self.worker.info
+
+    def Execute(
+        self, request_iterator: Iterator[worker_pb2.StepPlan], context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.StepResult]:
+        if not self._stream_lock.acquire(timeout=STREAM_ACQUIRE_TIMEOUT_S):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open")
+        try:
+            runner = self.worker.runner
+            runner.reset()
+            log.info("execute_stream_opened", peer=context.peer())
+            for msg in request_iterator:
+                try:
+                    result = runner.execute(wire.plan_from_proto(msg))
+                except (PlanError, InvalidRequestError) as exc:
+                    log.error("bad_plan", step_id=msg.step_id, error=str(exc))
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                yield wire.result_to_proto(result)
+            log.info("execute_stream_closed")
+        finally:
+            self.worker.runner.reset()
+            self._stream_lock.release()
+
+
+def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
+    """Loads the model and serves until the process is stopped."""
+    worker = build_worker(cfg)
+    log.info(
+        "worker_ready",
+        model=worker.info.model,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        num_gpu_blocks=worker.info.num_gpu_blocks,
+        num_cpu_blocks=worker.info.num_cpu_blocks,
+        block_size=cfg.block_size,
+        attention_backend=worker.info.attention_backend,
+    )
+    options = [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    server.start()
+    for name in ("", names[0]):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("worker_listening", address=f"{cfg.host}:{cfg.port}")
+    if ready is not None:
+        ready.set()
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        health_servicer.enter_graceful_shutdown()
+        server.stop(grace=5).wait()

@@ -1,0 +1,104 @@
+"""The step contract between the control plane and a worker, as plain domain types.
+
+The scheduler produces a `StepPlan`; the worker executes it and answers with a `StepResult`.
+`pagedserve.wire` converts both to and from protobuf at the gRPC edge; nothing else here knows
+about protobuf.
+
+A plan carries deltas. The worker keeps, per request, the token ids, the sampling parameters,
+the block table and the number of computed tokens. Within one step the worker applies, in
+this order:
+
+    1. drop state for `finished_req_ids` (finished, aborted or preempted requests)
+    2. swap_out moves (GPU block -> CPU block)   -- before any block is reused below
+    3. swap_in moves  (CPU block -> GPU block)
+    4. copy_blocks    (GPU block -> GPU block, copy-on-write)
+    5. register `new_requests` (full state: first schedule or resumed after preemption)
+    6. append `new_block_ids` to known requests
+    7. run the forward pass over `num_scheduled_tokens`, in that dict's order
+
+A request samples one token in a step exactly when, after the step, all of its known tokens
+are computed: num_computed_tokens + num_scheduled_tokens == len(prompt) + len(output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class BlockMove(NamedTuple):
+    """Copy the contents of block `src` into block `dst` (ids in the pools the op names)."""
+
+    src: int
+    dst: int
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has no state for: scheduled for the first time, or resumed.
+
+    output_token_ids holds tokens already generated before a preemption; the worker treats
+    prompt + output as the sequence and the output part for presence/frequency penalties.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already knows: only the blocks appended since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Every request that runs this step -> its number of new tokens; dict order is batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: list[str] = field(default_factory=list)
+    swap_out: list[BlockMove] = field(default_factory=list)
+    swap_in: list[BlockMove] = field(default_factory=list)
+    copy_blocks: list[BlockMove] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.num_scheduled_tokens
+            or self.finished_req_ids
+            or self.swap_out
+            or self.swap_in
+            or self.copy_blocks
+        )
+
+
+@dataclass
+class SampledToken:
+    """One sampled token; logprob fields are set only when the request asked for logprobs."""
+
+    token_id: int
+    logprob: float | None = None
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    model_time_s: float = 0.0  # forward + sampling
+    total_time_s: float = 0.0  # everything the worker did for the step

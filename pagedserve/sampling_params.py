@@ -1,0 +1,75 @@
+"""Sampling parameters shared by the control plane (admission, stop checks) and the worker
+(the sampler). Validation lives here so that every entry point rejects the same inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Default max_tokens when a client leaves it unset, as OpenAI's completions API does.
+DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as asked. Maps to gRPC INVALID_ARGUMENT / HTTP 400."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop.
+
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
+    filters. A seed makes the request's draws reproducible whatever else is in the batch.
+    logprobs is None (none returned) or the number of top alternatives to return beside the
+    chosen token's log-probability (0 means just the chosen token).
+    """
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if self.max_tokens < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature > 1e4:
+            raise bad(f"temperature must be in [0, 10000], got {self.temperature}")
+        if self.top_k < 0:
+            raise bad(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0.0 < self.repetition_penalty <= 100.0):
+            raise bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise bad(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise bad("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,181 @@
+"""Protobuf <-> domain conversions: the only module besides the servicers that touches `_pb2`.
+
+The scheduler, block manager, model runner and sampler work on `pagedserve.plan` and
+`pagedserve.sampling_params` types; these functions translate at the gRPC edge.
+"""
+
+from __future__ import annotations
+
+from pagedserve.plan import (
+    BlockMove,
+    CachedRequestData,
+    NewRequestData,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
+from pagedserve.sampling_params import SamplingParams
+from protos.v1 import common_pb2, worker_pb2
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_proto(
+    msg: common_pb2.SamplingParams, default_max_tokens: int | None = None
+) -> SamplingParams:
+    """Builds validated SamplingParams; raises InvalidRequestError on bad values."""
+    kwargs: dict[str, object] = {}
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "logprobs",
+    ):
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    if msg.HasField("max_tokens"):
+        kwargs["max_tokens"] = msg.max_tokens
+    elif default_max_tokens is not None:
+        kwargs["max_tokens"] = default_max_tokens
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        # float32 on the wire: round-trip 0.9 -> 0.8999999762 is harmless, NaN is not.
+        if name in kwargs:
+            kwargs[name] = float(kwargs[name])  # type: ignore[arg-type]
+    return SamplingParams(
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _moves_to_proto(moves: list[BlockMove]) -> list[worker_pb2.BlockMove]:
+    return [worker_pb2.BlockMove(src=m.src, dst=m.dst) for m in moves]
+
+
+def _moves_from_proto(msgs: object) -> list[BlockMove]:
+    return [BlockMove(m.src, m.dst) for m in msgs]  # type: ignore[attr-defined]
+
+
+def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
+    return worker_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_requests=[
+            worker_pb2.NewRequest(
+                req_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                sampling=sampling_to_proto(r.sampling),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in plan.new_requests
+        ],
+        cached_requests=[
+            worker_pb2.CachedRequest(req_id=r.req_id, new_block_ids=r.new_block_ids)
+            for r in plan.cached_requests
+        ],
+        scheduled_req_ids=list(plan.num_scheduled_tokens.keys()),
+        num_scheduled_tokens=list(plan.num_scheduled_tokens.values()),
+        finished_req_ids=plan.finished_req_ids,
+        swap_out=_moves_to_proto(plan.swap_out),
+        swap_in=_moves_to_proto(plan.swap_in),
+        copy_blocks=_moves_to_proto(plan.copy_blocks),
+    )
+
+
+def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
+    if len(msg.scheduled_req_ids) != len(msg.num_scheduled_tokens):
+        raise ValueError("scheduled_req_ids and num_scheduled_tokens differ in length")
+    return StepPlan(
+        step_id=msg.step_id,
+        new_requests=[
+            NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                output_token_ids=list(r.output_token_ids),
+                sampling=sampling_from_proto(r.sampling),
+                block_ids=list(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in msg.new_requests
+        ],
+        cached_requests=[
+            CachedRequestData(req_id=r.req_id, new_block_ids=list(r.new_block_ids))
+            for r in msg.cached_requests
+        ],
+        num_scheduled_tokens=dict(
+            zip(msg.scheduled_req_ids, msg.num_scheduled_tokens, strict=True)
+        ),
+        finished_req_ids=list(msg.finished_req_ids),
+        swap_out=_moves_from_proto(msg.swap_out),
+        swap_in=_moves_from_proto(msg.swap_in),
+        copy_blocks=_moves_from_proto(msg.copy_blocks),
+    )
+
+
+def logprobs_to_proto(tok: SampledToken) -> common_pb2.TokenLogprobs | None:
+    if tok.logprob is None:
+        return None
+    return common_pb2.TokenLogprobs(
+        logprob=tok.logprob, top_token_ids=tok.top_token_ids, top_logprobs=tok.top_logprobs
+    )
+
+
+def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
+    sampled = []
+    for req_id, tok in result.sampled.items():
+        msg = worker_pb2.SampledToken(req_id=req_id, token_id=tok.token_id)
+        lp = logprobs_to_proto(tok)
+        if lp is not None:
+            msg.logprobs.CopyFrom(lp)
+        sampled.append(msg)
+    return worker_pb2.StepResult(
+        step_id=result.step_id,
+        sampled=sampled,
+        model_time_s=result.model_time_s,
+        total_time_s=result.total_time_s,
+    )
+
+
+def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
+    sampled: dict[str, SampledToken] = {}
+    for s in msg.sampled:
+        tok = SampledToken(token_id=s.token_id)
+        if s.HasField("logprobs"):
+            tok.logprob = s.logprobs.logprob
+            tok.top_token_ids = list(s.logprobs.top_token_ids)
+            tok.top_logprobs = list(s.logprobs.top_logprobs)
+        sampled[s.req_id] = tok
+    return StepResult(
+        step_id=msg.step_id,
+        sampled=sampled,
+        model_time_s=msg.model_time_s,
+        total_time_s=msg.total_time_s,
+    )
