@@ -1,0 +1,40 @@
+"""The control plane's configuration: one frozen dataclass, built from flags/env in
+pagedserve.cli."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    workers: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None
+    preemption: str = "recompute"
+    max_waiting: int = 1024
+    tokenizer: str | None = None  # defaults to the model path the worker reports
+    served_model_name: str | None = None
+    worker_connect_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("at least one worker address (HOST:PORT) is required")
+        for w in self.workers:
+            host, sep, port = w.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"worker address must be HOST:PORT, got {w!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if not (0 < self.port < 65536):
+            raise ValueError(f"port must be in 1..65535, got {self.port}")

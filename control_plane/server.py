@@ -1,0 +1,322 @@
+"""The control-plane process: the ControlPlane gRPC service over the engine loops.
+
+Servicers stay thin: protobuf in -> domain call -> protobuf out. Domain errors map to gRPC
+status codes in `_status_for`, the one place that does so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from control_plane.config import ControlPlaneConfig
+from control_plane.engine import EngineLoop, OutputChunk
+from control_plane.request import Request
+from control_plane.scheduler import SchedulerConfig
+from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
+from control_plane.worker_client import WorkerClient, WorkerError
+from pagedserve import wire
+from pagedserve.log import get_logger
+from pagedserve.sampling_params import InvalidRequestError, SamplingParams
+from protos.v1 import control_plane_pb2 as pb
+from protos.v1 import control_plane_pb2_grpc as pb_grpc
+from protos.v1 import worker_pb2
+
+log = get_logger(__name__)
+
+
+class AdmissionError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, AdmissionError):
+        return exc.code, str(exc)
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, WorkerError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class ControlPlane:
+    """Admission, placement and the per-worker engine loops."""
+
+    def __init__(self, config: ControlPlaneConfig) -> None:
+        self.config = config
+        self.loops: list[EngineLoop] = []
+        self.tokenizer: LoadedTokenizer | None = None
+        self.model_name = ""
+        self.info: worker_pb2.WorkerInfo | None = None
+
+    async def connect(self) -> None:
+        infos: list[tuple[WorkerClient, worker_pb2.WorkerInfo]] = []
+        for address in self.config.workers:
+            client = WorkerClient(address)
+            info = await client.describe(timeout=self.config.worker_connect_timeout_s)
+            log.info(
+                "worker_registered",
+                worker=address,
+                model=info.model,
+                num_gpu_blocks=info.num_gpu_blocks,
+                epoch=info.epoch,
+            )
+            infos.append((client, info))
+        first = infos[0][1]
+        for _, info in infos[1:]:
+            if (info.architecture, info.vocab_size) != (first.architecture, first.vocab_size):
+                raise RuntimeError("all workers must serve the same model")
+        self.info = first
+        self.model_name = self.config.served_model_name or first.model
+        self.tokenizer = load_tokenizer(self.config.tokenizer or first.model_path)
+        for client, info in infos:
+            sched_cfg = SchedulerConfig(
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=info.max_model_len,
+                preemption_mode=self.config.preemption,
+                eos_token_ids=tuple(info.eos_token_ids),
+                long_prefill_token_threshold=self.config.long_prefill_token_threshold,
+            )
+            loop = EngineLoop(client, info, sched_cfg, self.tokenizer)
+            loop.start()
+            self.loops.append(loop)
+
+    async def close(self) -> None:
+        for loop in self.loops:
+            await loop.stop()
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def admit(self, req_id: str, prompt_ids: list[int], sampling: SamplingParams) -> EngineLoop:
+        info = self.info
+        assert info is not None
+        n = len(prompt_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if any(t >= info.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be < vocab size {info.vocab_size}")
+        if n >= info.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; the model's maximum context length is "
+                f"{info.max_model_len} tokens, and at least one must be left to generate"
+            )
+        if n + sampling.max_tokens > info.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
+                f"maximum context length of {info.max_model_len} tokens"
+            )
+        blocks = -(-(n + sampling.max_tokens) // info.block_size)
+        if blocks > info.num_gpu_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs {blocks} KV blocks of {info.block_size} tokens, "
+                f"more than the whole KV cache of {info.num_gpu_blocks} blocks"
+            )
+        if any(req_id in loop.streams for loop in self.loops):
+            raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id} is running")
+        waiting = sum(loop.scheduler.num_waiting for loop in self.loops)
+        if waiting >= self.config.max_waiting:
+            raise AdmissionError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the waiting queue is full ({waiting} requests); retry later",
+            )
+        return min(self.loops, key=lambda loop: loop.load)
+
+    def abort(self, req_id: str) -> bool:
+        return any(loop.abort(req_id) for loop in self.loops)
+
+
+class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        req_id = request.request_id or uuid.uuid4().hex
+        cp = self.cp
+        rlog = log.bind(request_id=req_id)
+        stream = None
+        try:
+            if request.model and request.model != cp.model_name:
+                raise AdmissionError(
+                    grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here"
+                )
+            sampling = wire.sampling_from_proto(request.sampling)
+            prompt_ids = await self._prompt_ids(request)
+            loop = cp.admit(req_id, prompt_ids, sampling)
+            stream = loop.add_request(Request(req_id, prompt_ids, sampling, time.monotonic()))
+            rlog.info(
+                "request_admitted",
+                prompt_tokens=len(prompt_ids),
+                max_tokens=sampling.max_tokens,
+                worker=loop.client.address,
+            )
+        except Exception as exc:  # every admission failure becomes a clear status
+            code, message = _status_for(exc)
+            rlog.info("request_rejected", code=code.name, reason=message)
+            await context.abort(code, message)
+            return
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    code, message = _status_for(item)
+                    await context.abort(code, message)
+                    return
+                yield _chunk_to_proto(req_id, item)
+                if item.finish_reason is not None:
+                    rlog.info(
+                        "request_finished",
+                        finish_reason=item.finish_reason,
+                        completion_tokens=item.num_output_tokens,
+                    )
+                    return
+        finally:
+            if not stream.finished:
+                # The client went away (or the server is stopping): free the blocks now.
+                cp.abort(req_id)
+                rlog.info("request_cancelled")
+
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which != "text":
+            raise InvalidRequestError("a prompt is required: set text or token_ids")
+        if not request.text:
+            raise InvalidRequestError("the prompt is empty")
+        tok = self.cp.tokenizer
+        assert tok is not None
+        # Tokenization runs on a thread, off the event loop the engine loops share.
+        return await asyncio.to_thread(tok.encode, request.text, request.add_special_tokens)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.cp.abort(request.request_id))
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        info = self.cp.info
+        assert info is not None
+        model = pb.ModelInfo(
+            id=self.cp.model_name,
+            max_model_len=info.max_model_len,
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+        )
+        return pb.ListModelsResponse(models=[model])
+
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        return stats_to_proto(self.cp)
+
+
+def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
+    workers = []
+    for loop in cp.loops:
+        s = loop.scheduler.stats()
+        bm = loop.scheduler.block_manager
+        workers.append(
+            pb.WorkerStats(
+                address=loop.client.address,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                num_swapped=s.num_swapped,
+                num_gpu_blocks=bm.num_gpu_blocks,
+                num_free_gpu_blocks=bm.num_free_gpu_blocks,
+                num_cpu_blocks=bm.num_cpu_blocks,
+                num_free_cpu_blocks=bm.num_free_cpu_blocks,
+                kv_cache_usage=s.gpu_kv_usage,
+                num_preemptions=s.num_preemptions,
+                num_recompute_preemptions=s.num_preemptions_recompute,
+                num_swap_preemptions=s.num_preemptions_swap,
+                num_chunked_prefill_steps=s.num_chunked_prefill_steps,
+                num_steps=loop.counters.num_steps,
+                num_prompt_tokens_computed=loop.counters.num_prompt_tokens_computed,
+                num_generated_tokens=loop.counters.num_generated_tokens,
+                healthy=loop.healthy,
+                epoch=loop.info.epoch,
+                num_blocks_swapped_out=s.num_swapped_out_blocks,
+                num_blocks_swapped_in=s.num_swapped_in_blocks,
+            )
+        )
+    total_blocks = sum(w.num_gpu_blocks for w in workers) or 1
+    used = sum(w.num_gpu_blocks - w.num_free_gpu_blocks for w in workers)
+    return pb.StatsResponse(
+        num_running=sum(w.num_running for w in workers),
+        num_waiting=sum(w.num_waiting for w in workers),
+        num_swapped=sum(w.num_swapped for w in workers),
+        kv_cache_usage=used / total_blocks,
+        num_preemptions=sum(w.num_preemptions for w in workers),
+        num_requests_finished=sum(loop.counters.num_requests_finished for loop in cp.loops),
+        num_requests_aborted=sum(loop.counters.num_requests_aborted for loop in cp.loops),
+        num_chunked_prefill_steps=sum(w.num_chunked_prefill_steps for w in workers),
+        workers=workers,
+    )
+
+
+def _chunk_to_proto(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=req_id,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=chunk.finish_reason or "",
+        prompt_tokens=chunk.num_prompt_tokens,
+        completion_tokens=chunk.num_output_tokens,
+        stop_reason=chunk.stop_reason or "",
+    )
+    for tok in chunk.logprobs:
+        lp = wire.logprobs_to_proto(tok)
+        if lp is not None:
+            msg.logprobs.append(lp)
+    return msg
+
+
+async def serve(config: ControlPlaneConfig) -> None:
+    """Connects to the workers and serves until cancelled (SIGINT/SIGTERM)."""
+    cp = ControlPlane(config)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 16 << 20),
+            ("grpc.max_send_message_length", 16 << 20),
+        ]
+    )
+    pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneServicer(cp), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_name = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
+    reflection.enable_server_reflection(
+        (
+            service_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("control_plane_listening", address=f"{config.host}:{config.port}")
+    try:
+        await cp.connect()
+        for name in ("", service_name):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("control_plane_ready", model=cp.model_name, workers=list(config.workers))
+        await server.wait_for_termination()
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=5)
+        await cp.close()

@@ -1,0 +1,39 @@
+"""Loads a checkpoint's tokenizer (tokenizer.json) and its chat and special-token settings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+@dataclass
+class LoadedTokenizer:
+    tokenizer: Tokenizer
+    bos_token_id: int | None
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+
+def load_tokenizer(model_dir: str | Path) -> LoadedTokenizer:
+    d = Path(model_dir)
+    path = d / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the checkpoint has no tokenizer.json")
+    tok = Tokenizer.from_file(str(path))
+    cfg: dict[str, object] = {}
+    if (d / "tokenizer_config.json").is_file():
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+    bos = cfg.get("bos_token")
+    if isinstance(bos, dict):
+        bos = bos.get("content")
+    bos_id = tok.token_to_id(bos) if isinstance(bos, str) else None
+    template = cfg.get("chat_template")
+    return LoadedTokenizer(tok, bos_id, template if isinstance(template, str) else None)

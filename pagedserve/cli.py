@@ -1,0 +1,261 @@
+"""The `pagedserve` command line. Every flag also reads PAGEDSERVE_<FLAG> from the environment
+(e.g. --max-num-seqs <- PAGEDSERVE_MAX_NUM_SEQS); an explicit flag wins."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def _env_name(flag: str) -> str:
+    return "PAGEDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _flag(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
+    """add_argument whose default comes from the flag's environment variable when set."""
+    env = os.environ.get(_env_name(flag))
+    if env is not None:
+        if kw.get("action") == "store_true":
+            kw["default"] = env.lower() in ("1", "true", "yes", "on")
+        else:
+            conv: Callable[[str], Any] = kw.get("type", str)
+            kw["default"] = conv(env)
+        kw.pop("required", None)
+    kw.setdefault("help", "")
+    kw["help"] = (kw["help"] + f" [env {_env_name(flag)}]").strip()
+    p.add_argument(flag, **kw)
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512M', '1e9' or '1073741824' -> bytes."""
+    t = text.strip().lower().replace("ib", "").replace("b", "")
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))
+
+
+def _model_dir(arg: str | None) -> str:
+    if arg:
+        return arg
+    from gpu_worker.model_init import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+# -- subcommands --------------------------------------------------------------------------------
+
+
+def cmd_model_init(a: argparse.Namespace) -> int:
+    from gpu_worker.model_init import write_random_checkpoint
+
+    path = write_random_checkpoint(a.dir, preset=a.preset, arch=a.arch, seed=a.seed)
+    print(path)
+    return 0
+
+
+def cmd_worker(a: argparse.Namespace) -> int:
+    from gpu_worker.config import WorkerConfig
+    from gpu_worker.server import serve
+    from pagedserve.log import configure_logging
+
+    configure_logging("worker")
+    cfg = WorkerConfig(
+        model=_model_dir(a.model),
+        host=a.host,
+        port=a.port,
+        device=a.device,
+        dtype=a.dtype,
+        block_size=a.block_size,
+        kv_cache_memory=a.kv_cache_memory,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        swap_space=a.swap_space,
+        attention_backend=a.attention_backend,
+        served_model_name=a.served_model_name,
+        max_model_len=a.max_model_len,
+        num_threads=a.num_threads,
+    )
+    serve(cfg)
+    return 0
+
+
+def cmd_control_plane(a: argparse.Namespace) -> int:
+    from control_plane.config import ControlPlaneConfig
+    from control_plane.server import serve
+    from pagedserve.log import configure_logging
+
+    configure_logging("control-plane")
+    cfg = ControlPlaneConfig(
+        workers=tuple(w.strip() for w in a.workers.split(",") if w.strip()),
+        host=a.host,
+        port=a.port,
+        redis_url=a.redis_url,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        long_prefill_token_threshold=a.long_prefill_token_threshold,
+        preemption=a.preemption,
+        max_waiting=a.max_waiting,
+        tokenizer=a.tokenizer,
+        served_model_name=a.served_model_name,
+    )
+    try:
+        asyncio.run(serve(cfg))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from pagedserve.cluster import run_cluster
+
+    return run_cluster(a, _model_dir(a.model))
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from pagedserve.client import generate_main
+
+    return generate_main(a)
+
+
+def cmd_stats(a: argparse.Namespace) -> int:
+    from pagedserve.client import stats_main
+
+    return stats_main(a)
+
+
+# -- parser -------------------------------------------------------------------------------------
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    _flag(p, "--device", default="cpu", help="cpu or cuda[:N]")
+    _flag(p, "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    _flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
+    _flag(
+        p,
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=1 << 30,
+        help="bytes of KV cache on CPU (e.g. 2GiB)",
+    )
+    _flag(
+        p,
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and KV cache",
+    )
+    _flag(p, "--swap-space", type=parse_bytes, default=1 << 30, help="bytes of host swap pool")
+    _flag(
+        p,
+        "--attention-backend",
+        choices=["torch", "triton"],
+        default=None,
+        help="default: triton on CUDA, torch on CPU",
+    )
+    _flag(p, "--max-model-len", type=int, default=None, help="cap the context length")
+    _flag(p, "--num-threads", type=int, default=None, help="torch intra-op threads")
+
+
+def _scheduler_flags(p: argparse.ArgumentParser) -> None:
+    _flag(p, "--max-num-seqs", type=int, default=256, help="sequences per step")
+    _flag(p, "--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    _flag(
+        p,
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="chunk any prefill longer than this many tokens per step",
+    )
+    _flag(p, "--preemption", choices=["recompute", "swap"], default="recompute")
+    _flag(
+        p,
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
+    )
+    _flag(p, "--redis-url", default=None, help="Redis for the prefix-hash index")
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    _flag(p, "--control-plane", default="127.0.0.1:50051", help="HOST:PORT")
+    _flag(p, "--json", action="store_true", help="print JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="checkpoint utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    init = model_sub.add_parser("init", help="write a random-weight HF checkpoint")
+    init.add_argument("dir")
+    init.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    init.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(func=cmd_model_init)
+
+    w = sub.add_parser("worker", help="run a worker (model + KV block pool)")
+    _flag(w, "--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
+    _flag(w, "--host", default="127.0.0.1")
+    _flag(w, "--port", type=int, default=50061)
+    _flag(w, "--served-model-name", default=None)
+    _worker_flags(w)
+    w.set_defaults(func=cmd_worker)
+
+    cp = sub.add_parser("control-plane", help="run the control plane")
+    _flag(cp, "--host", default="127.0.0.1")
+    _flag(cp, "--port", type=int, default=50051)
+    _flag(cp, "--workers", required=True, help="HOST:PORT[,HOST:PORT...]")
+    _flag(cp, "--tokenizer", default=None, help="tokenizer dir (default: the worker's model)")
+    _flag(cp, "--served-model-name", default=None)
+    _scheduler_flags(cp)
+    cp.set_defaults(func=cmd_control_plane)
+
+    up = sub.add_parser("up", help="run a local cluster: control plane + workers")
+    _flag(up, "--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
+    _flag(up, "--workers", type=int, default=1, help="number of worker processes")
+    _flag(up, "--host", default="127.0.0.1")
+    _flag(up, "--grpc-port", type=int, default=50051, help="control plane port")
+    _flag(up, "--worker-base-port", type=int, default=50061)
+    _flag(up, "--served-model-name", default=None)
+    _worker_flags(up)
+    _scheduler_flags(up)
+    up.set_defaults(func=cmd_up)
+
+    gen = sub.add_parser("generate", help="generate from a prompt through the control plane")
+    _client_flags(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--logprobs", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    st = sub.add_parser("stats", help="show the control plane's counters")
+    _client_flags(st)
+    st.set_defaults(func=cmd_stats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc: int = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

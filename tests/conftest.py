@@ -1,0 +1,81 @@
+"""Shared fixtures: free ports, real server processes, locally made checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+# Kernel modules read this at import time; set it before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.procs import ServerProcess, free_port  # noqa: E402
+
+# Models small enough that the transformers oracle and our stack both run fast on 2 cores.
+MICRO: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """make_checkpoint(arch, seed=0, **overrides) -> dir; cached for the session."""
+    from gpu_worker.model_init import write_random_checkpoint
+
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0, preset: str = "tiny", **overrides: Any) -> Path:
+        key = repr((arch, seed, preset, sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            cache[key] = write_random_checkpoint(
+                out, preset=preset, arch=arch, seed=seed, overrides=overrides or None
+            )
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def micro_llama(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("llama", **MICRO)
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+def _spawner() -> Iterator[Callable[..., ServerProcess]]:
+    procs: list[ServerProcess] = []
+
+    def start(name: str, *args: str, ready_address: str) -> ServerProcess:
+        p = ServerProcess(name, list(args), ready_address)
+        procs.append(p)
+        p.wait_ready()
+        return p
+
+    yield start
+    for p in reversed(procs):
+        p.stop()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., ServerProcess]]:
+    """spawn(name, *cli_args, ready_address=...) starts `pagedserve ...`; all stopped after."""
+    yield from _spawner()
+
+
+@pytest.fixture(scope="module")
+def module_spawn() -> Iterator[Callable[..., ServerProcess]]:
+    """Like spawn, for processes shared by a whole test module."""
+    yield from _spawner()

@@ -1,0 +1,64 @@
+"""Real OS processes for tests: `pagedserve` subcommands on free ports, with health waits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, name: str, args: list[str], ready_address: str) -> None:
+        self.name = name
+        self.address = ready_address
+        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+        env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.cli", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def output(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited early:\n{self.output()[-4000:]}")
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not ready:\n{self.output()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self.log.name)

@@ -1,0 +1,125 @@
+"""A worker and a control plane as real processes, and a small client for tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpu_worker.kv_cache import CacheGeometry
+from gpu_worker.models.config import ModelConfig
+from protos.v1 import common_pb2
+from protos.v1 import control_plane_pb2 as pb
+from protos.v1 import control_plane_pb2_grpc as pb_grpc
+from tests.procs import ServerProcess, free_port
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_for_blocks(model_dir: Path, num_blocks: int, dtype: str, block_size: int = 16) -> int:
+    import torch
+
+    mc = ModelConfig.from_dir(model_dir)
+    geometry = CacheGeometry(
+        num_layers=mc.num_hidden_layers,
+        num_kv_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim,
+        block_size=block_size,
+        dtype=getattr(torch, dtype),
+    )
+    return num_blocks * geometry.bytes_per_block
+
+
+@dataclass
+class Stack:
+    address: str
+    worker: ServerProcess
+    control_plane: ServerProcess
+    channel: grpc.Channel = field(init=False)
+    stub: pb_grpc.ControlPlaneStub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.ControlPlaneStub(self.channel)
+
+    def stats(self) -> pb.StatsResponse:
+        return self.stub.Stats(pb.StatsRequest(), timeout=10)
+
+
+def start_stack(
+    spawn: Callable[..., ServerProcess],
+    model_dir: Path,
+    *,
+    num_gpu_blocks: int = 256,
+    num_cpu_blocks: int = 256,
+    dtype: str = "float32",
+    worker_args: tuple[str, ...] = (),
+    cp_args: tuple[str, ...] = (),
+) -> Stack:
+    wport, cport = free_port(), free_port()
+    worker = spawn(
+        "worker",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(wport),
+        "--dtype",
+        dtype,
+        "--kv-cache-memory",
+        str(kv_bytes_for_blocks(model_dir, num_gpu_blocks, dtype)),
+        "--swap-space",
+        str(kv_bytes_for_blocks(model_dir, num_cpu_blocks, dtype)),
+        *worker_args,
+        ready_address=f"127.0.0.1:{wport}",
+    )
+    cp = spawn(
+        "control-plane",
+        "control-plane",
+        "--port",
+        str(cport),
+        "--workers",
+        f"127.0.0.1:{wport}",
+        *cp_args,
+        ready_address=f"127.0.0.1:{cport}",
+    )
+    return Stack(f"127.0.0.1:{cport}", worker, cp)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: str
+    chunks: list[pb.GenerateResponse]
+
+
+def sampling(**kw: Any) -> common_pb2.SamplingParams:
+    stop = kw.pop("stop", [])
+    stop_ids = kw.pop("stop_token_ids", [])
+    return common_pb2.SamplingParams(stop=stop, stop_token_ids=stop_ids, **kw)
+
+
+def request(prompt: str | list[int], **kw: Any) -> pb.GenerateRequest:
+    req_id = kw.pop("request_id", "")
+    req = pb.GenerateRequest(request_id=req_id, sampling=sampling(**kw))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def generate(stub: pb_grpc.ControlPlaneStub, prompt: str | list[int], **kw: Any) -> Completion:
+    chunks = list(stub.Generate(request(prompt, **kw), timeout=300))
+    return Completion(
+        token_ids=[t for c in chunks for t in c.token_ids],
+        text="".join(c.text for c in chunks),
+        finish_reason=chunks[-1].finish_reason,
+        stop_reason=chunks[-1].stop_reason,
+        chunks=chunks,
+    )
