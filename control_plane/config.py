@@ -4,6 +4,7 @@ pagedserve.cli."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -17,7 +18,7 @@ class ControlPlaneConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int | None = None
-    preemption: str = "recompute"
+    preemption: Literal["recompute", "swap"] = "recompute"
     max_waiting: int = 1024
     tokenizer: str | None = None  # defaults to the model path the worker reports
     served_model_name: str | None = None

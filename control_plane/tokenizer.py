@@ -16,9 +16,9 @@ class LoadedTokenizer:
     chat_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
+        """Token ids of text; add_special_tokens applies the tokenizer's own post-processor
+        (BOS for Llama-style tokenizers)."""
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
 

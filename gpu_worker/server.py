@@ -23,6 +23,7 @@ from gpu_worker.checkpoint import load_model
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
+from gpu_worker.models.llama import CausalLM
 from pagedserve import wire
 from pagedserve.log import get_logger
 from pagedserve.sampling_params import InvalidRequestError
@@ -82,7 +83,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     return Worker(cfg, ModelRunner(model, cache, backend), info)
 
 
-def _num_device_blocks(cfg: WorkerConfig, geometry: CacheGeometry, model: torch.nn.Module) -> int:
+def _num_device_blocks(cfg: WorkerConfig, geometry: CacheGeometry, model: CausalLM) -> int:
     if cfg.device == "cpu":
         return geometry.num_blocks_for(cfg.kv_cache_memory)
     # CUDA: what the utilization budget leaves after the weights and a profiling pass of one
@@ -93,11 +94,11 @@ def _num_device_blocks(cfg: WorkerConfig, geometry: CacheGeometry, model: torch.
     backend = create_backend(
         cfg.attention_backend,
         probe,
-        model.config.num_attention_heads,  # type: ignore[union-attr]
+        model.config.num_attention_heads,
         geometry.head_dim,
         cfg.device,
     )
-    runner = ModelRunner(model, probe, backend)  # type: ignore[arg-type]
+    runner = ModelRunner(model, probe, backend)
     runner.profile(n)
     peak = torch.cuda.max_memory_allocated(cfg.device) - probe.nbytes
     del runner, backend, probe

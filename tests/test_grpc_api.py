@@ -41,7 +41,9 @@ def test_list_models_and_text_prompt(stack: Stack, micro_llama: Path) -> None:
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
     assert out.chunks[-1].completion_tokens == 12
     assert out.chunks[-1].prompt_tokens == len(
-        Tokenizer.from_file(str(micro_llama / "tokenizer.json")).encode("Hello there").ids
+        Tokenizer.from_file(str(micro_llama / "tokenizer.json"))
+        .encode("Hello there", add_special_tokens=False)
+        .ids
     )
 
 
