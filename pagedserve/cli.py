@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -22,8 +22,8 @@ def _flag(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
         if kw.get("action") == "store_true":
             kw["default"] = env.lower() in ("1", "true", "yes", "on")
         else:
-            conv: Callable[[str], Any] = kw.get("type", str)
-            kw["default"] = conv(env)
+            # A string default goes through `type` only when this subcommand is parsed.
+            kw["default"] = env
         kw.pop("required", None)
     kw.setdefault("help", "")
     kw["help"] = (kw["help"] + f" [env {_env_name(flag)}]").strip()

@@ -1,0 +1,130 @@
+"""The command line: `pagedserve up` on the default model, then the README's generate and
+stats examples; flags read from the environment; `model init`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedserve.cli import build_parser, parse_bytes
+from tests.procs import free_port
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_up_default_model_then_generate_and_stats(tmp_path: Path) -> None:
+    cp_port, worker_port = free_port(), free_port()
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedserve.cli",
+            "up",
+            "--grpc-port",
+            str(cp_port),
+            "--worker-base-port",
+            str(worker_port),
+            "--kv-cache-memory",
+            "64MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "pagedserve is up" in line:
+                break
+        assert any("pagedserve is up" in x for x in lines), "".join(lines)[-3000:]
+        # Child output is prefixed with the process name.
+        assert any(x.lstrip().startswith("worker-0 |") for x in lines)
+        address = f"127.0.0.1:{cp_port}"
+        gen = run_cli(
+            "generate",
+            "--control-plane",
+            address,
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+            env=env,
+        )
+        assert gen.returncode == 0, gen.stderr
+        msgs = [json.loads(x) for x in gen.stdout.splitlines()]
+        assert sum(len(m.get("token_ids", [])) for m in msgs) == 8
+        assert msgs[-1]["finish_reason"] == "length"
+        text = run_cli(
+            "generate", "--control-plane", address, "--prompt", "Hi", "--max-tokens", "4", env=env
+        )
+        assert text.returncode == 0 and "finish_reason=" in text.stdout
+        stats = run_cli("stats", "--control-plane", address, "--json", env=env)
+        assert stats.returncode == 0, stats.stderr
+        assert int(json.loads(stats.stdout)["num_requests_finished"]) >= 2
+        assert (tmp_path / "cache" / "models").is_dir()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+
+
+def test_generate_reports_unreachable_control_plane() -> None:
+    r = run_cli("generate", "--control-plane", f"127.0.0.1:{free_port()}", "--prompt", "x")
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+
+
+def test_flags_read_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("PAGEDSERVE_WORKERS", "h:1,h:2")
+    monkeypatch.setenv("PAGEDSERVE_PREEMPTION", "swap")
+    a = build_parser().parse_args(["control-plane"])
+    assert (a.max_num_seqs, a.workers, a.preemption) == (7, "h:1,h:2", "swap")
+    a = build_parser().parse_args(["control-plane", "--max-num-seqs", "9"])
+    assert a.max_num_seqs == 9
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("4GiB") == 4 << 30
+    assert parse_bytes("512M") == 512 << 20
+    assert parse_bytes("1000") == 1000
+
+
+def test_model_init_writes_a_checkpoint(tmp_path: Path) -> None:
+    r = run_cli("model", "init", str(tmp_path / "m"), "--arch", "qwen3", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    names = {p.name for p in (tmp_path / "m").iterdir()}
+    assert {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
+    assert any(n.endswith(".safetensors") for n in names)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == [
+        "Qwen3ForCausalLM"
+    ]
