@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from control_plane.chat import render_chat
 from control_plane.config import ControlPlaneConfig
 from control_plane.engine import EngineLoop, OutputChunk
 from control_plane.request import Request
@@ -172,7 +173,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                     code, message = _status_for(item)
                     await context.abort(code, message)
                     return
-                yield _chunk_to_proto(req_id, item)
+                yield _chunk_to_proto(req_id, item, cp.tokenizer)
                 if item.finish_reason is not None:
                     rlog.info(
                         "request_finished",
@@ -190,12 +191,22 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         which = request.WhichOneof("prompt")
         if which == "token_ids":
             return list(request.token_ids.ids)
-        if which != "text":
-            raise InvalidRequestError("a prompt is required: set text or token_ids")
-        if not request.text:
-            raise InvalidRequestError("the prompt is empty")
         tok = self.cp.tokenizer
         assert tok is not None
+        if which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            text = render_chat(
+                tok.chat_template,
+                messages,
+                request.chat.add_generation_prompt,
+                tok.special_tokens,
+            )
+            # The template writes any BOS itself.
+            return await asyncio.to_thread(tok.encode, text, False)
+        if which != "text":
+            raise InvalidRequestError("a prompt is required: set text, token_ids or chat")
+        if not request.text:
+            raise InvalidRequestError("the prompt is empty")
         # Tokenization runs on a thread, off the event loop the engine loops share.
         return await asyncio.to_thread(tok.encode, request.text, request.add_special_tokens)
 
@@ -267,7 +278,9 @@ def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
     )
 
 
-def _chunk_to_proto(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
+def _chunk_to_proto(
+    req_id: str, chunk: OutputChunk, tok: LoadedTokenizer | None
+) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
         request_id=req_id,
         token_ids=chunk.token_ids,
@@ -277,9 +290,12 @@ def _chunk_to_proto(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
         completion_tokens=chunk.num_output_tokens,
         stop_reason=chunk.stop_reason or "",
     )
-    for tok in chunk.logprobs:
-        lp = wire.logprobs_to_proto(tok)
+    for sampled in chunk.logprobs:
+        lp = wire.logprobs_to_proto(sampled)
         if lp is not None:
+            if tok is not None:
+                lp.token = tok.token_text(sampled.token_id)
+                lp.top_tokens.extend(tok.token_text(t) for t in sampled.top_token_ids)
             msg.logprobs.append(lp)
     return msg
 

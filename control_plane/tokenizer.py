@@ -14,6 +14,10 @@ class LoadedTokenizer:
     tokenizer: Tokenizer
     bos_token_id: int | None
     chat_template: str | None
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... as the chat template sees them
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of text; add_special_tokens applies the tokenizer's own post-processor
@@ -31,9 +35,16 @@ def load_tokenizer(model_dir: str | Path) -> LoadedTokenizer:
     cfg: dict[str, object] = {}
     if (d / "tokenizer_config.json").is_file():
         cfg = json.loads((d / "tokenizer_config.json").read_text())
-    bos = cfg.get("bos_token")
-    if isinstance(bos, dict):
-        bos = bos.get("content")
-    bos_id = tok.token_to_id(bos) if isinstance(bos, str) else None
+    special: dict[str, str] = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            special[key] = value
+    bos = special.get("bos_token")
+    bos_id = tok.token_to_id(bos) if bos is not None else None
     template = cfg.get("chat_template")
-    return LoadedTokenizer(tok, bos_id, template if isinstance(template, str) else None)
+    if not isinstance(template, str) and (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text()
+    return LoadedTokenizer(tok, bos_id, template if isinstance(template, str) else None, special)

@@ -39,11 +39,15 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
-    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs", "token", "top_tokens")
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     logprob: float
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    token: str
+    top_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., token: _Optional[str] = ..., top_tokens: _Optional[_Iterable[str]] = ...) -> None: ...

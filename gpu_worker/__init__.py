@@ -1,0 +1,1 @@
+"""The worker process: owns the model, the physical KV block pool and the forward pass."""

@@ -1,0 +1,216 @@
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+
+Tokens of every sequence in a step are flattened into one dimension (no batch, no padding);
+positions say where each token sits in its sequence and the `AttentionFn` knows the rest.
+
+Per layer, with merged projections (one matmul each):
+
+    x = rms_norm(h)
+    q|k|v = x @ W_qkv^T (+ b_qkv)          [T, (H + 2*KV) * D] viewed as [T, H + 2*KV, D]
+    q|k = rope(qk_norm(q|k))                 qk_norm only for Qwen3
+    h = h + attn(q, k, v) @ W_o^T (+ b_o)
+    x = rms_norm(h)
+    gate|up = x @ W_gate_up^T
+    h = h + (silu(gate) * up) @ W_down^T
+
+Weights are allocated empty here; `load_weights` fills them from HF-named tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.models.base import AttentionFn
+from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.rope import apply_rotary, cos_sin_table, inv_frequencies
+
+TensorSource = Callable[[str], torch.Tensor]
+"""Returns the checkpoint tensor with the given HF name."""
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """Attention and SwiGLU MLP blocks, each pre-normed with a residual connection."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        c = config
+
+        def param(*shape: int) -> nn.Parameter:
+            return _param(*shape, dtype=dtype, device=device)
+
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = c.head_dim
+        self.eps = c.rms_norm_eps
+        self.input_norm = param(c.hidden_size)
+        self.qkv_weight = param(c.q_size + 2 * c.kv_size, c.hidden_size)
+        self.qkv_bias = param(c.q_size + 2 * c.kv_size) if c.attention_bias else None
+        # Qwen3's q_norm and k_norm weights, one row per q head then per kv head: [H + KV, D].
+        num_qk = c.num_attention_heads + c.num_key_value_heads
+        self.qk_norm = param(num_qk, c.head_dim) if c.qk_norm else None
+        self.o_weight = param(c.hidden_size, c.q_size)
+        self.o_bias = param(c.hidden_size) if c.o_proj_bias else None
+        self.post_norm = param(c.hidden_size)
+        self.gate_up_weight = param(2 * c.intermediate_size, c.hidden_size)
+        self.down_weight = param(c.hidden_size, c.intermediate_size)
+
+    def forward(
+        self,
+        layer_idx: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        """`h` `[T, hidden]` -> `[T, hidden]`; `cos`, `sin` `[T, 1, head_dim // 2]`."""
+        num_tokens, hidden = h.shape
+        num_qk = self.num_heads + self.num_kv_heads
+
+        x = F.rms_norm(h, (hidden,), self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = qkv.view(num_tokens, num_qk + self.num_kv_heads, self.head_dim)
+        qk = qkv[:, :num_qk]
+        if self.qk_norm is not None:
+            qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm
+        qk = apply_rotary(qk, cos, sin)
+        out = attn(layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:])
+        h = h + F.linear(out.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+
+        x = F.rms_norm(h, (hidden,), self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_weight)
+
+    def load_weights(self, prefix: str, get: TensorSource) -> None:
+        """Copy the HF tensors under `prefix` (`model.layers.N.`) into the merged weights."""
+        attn = prefix + "self_attn."
+        mlp = prefix + "mlp."
+        _copy(self.input_norm, get, [prefix + "input_layernorm.weight"])
+        _copy(self.post_norm, get, [prefix + "post_attention_layernorm.weight"])
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        qkv_rows = [q_size, kv_size, kv_size]
+        _copy(self.qkv_weight, get, [f"{attn}{p}_proj.weight" for p in "qkv"], qkv_rows)
+        if self.qkv_bias is not None:
+            _copy(self.qkv_bias, get, [f"{attn}{p}_proj.bias" for p in "qkv"], qkv_rows)
+        if self.qk_norm is not None:
+            shape = (self.head_dim,)
+            self.qk_norm[: self.num_heads].copy_(_fetch(get, attn + "q_norm.weight", shape))
+            self.qk_norm[self.num_heads :].copy_(_fetch(get, attn + "k_norm.weight", shape))
+        _copy(self.o_weight, get, [attn + "o_proj.weight"])
+        if self.o_bias is not None:
+            _copy(self.o_bias, get, [attn + "o_proj.bias"])
+        _copy(self.gate_up_weight, get, [f"{mlp}{p}_proj.weight" for p in ("gate", "up")])
+        _copy(self.down_weight, get, [mlp + "down_proj.weight"])
+
+
+class CausalLM(nn.Module):
+    """Decoder-only language model over a flattened token batch."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        super().__init__()
+        dev = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.embed = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=dev)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, dev) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = _param(config.hidden_size, dtype=dtype, device=dev)
+        self.lm_head = (
+            self.embed
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=dev)
+        )
+        inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rope_cache: torch.Tensor
+        self.register_buffer(
+            "rope_cache",
+            cos_sin_table(inv_freq, config.max_model_len, dtype).to(dev),
+            persistent=False,
+        )
+        # Logits in at least float32: sampling and logprobs need more than half precision.
+        self.logits_dtype = torch.promote_types(dtype, torch.float32)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        """`input_ids`, `positions` `[T]` long -> final-normed hidden states `[T, hidden]`.
+
+        `positions` must lie in `[0, config.max_model_len)`.
+        """
+        half = self.config.head_dim // 2
+        cos_sin = self.rope_cache[positions].unsqueeze(1)
+        cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+        h = F.embedding(input_ids, self.embed)
+        for layer_idx, layer in enumerate(self.layers):
+            h = layer(layer_idx, h, cos, sin, attn)
+        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[R, hidden]` -> `[R, vocab]` in float32 (float64 for a float64 model)."""
+        return F.linear(hidden, self.lm_head).to(self.logits_dtype)
+
+    def checkpoint_tensor_names(self) -> list[str]:
+        """HF names of every tensor `load_weights` reads."""
+        c = self.config
+        names = ["model.embed_tokens.weight"]
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+            if c.attention_bias:
+                names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+            if c.o_proj_bias:
+                names.append(f"{p}self_attn.o_proj.bias")
+            if c.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names.append("model.norm.weight")
+        if not c.tie_word_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, get: TensorSource) -> None:
+        """Fill every weight from HF-named checkpoint tensors (cast to the model's dtype)."""
+        _copy(self.embed, get, ["model.embed_tokens.weight"])
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            layer.load_weights(f"model.layers.{i}.", get)
+        _copy(self.norm, get, ["model.norm.weight"])
+        if not self.config.tie_word_embeddings:
+            _copy(self.lm_head, get, ["lm_head.weight"])
+
+
+def _fetch(get: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    tensor = get(name)
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
+    return tensor
+
+
+def _copy(
+    dst: torch.Tensor, get: TensorSource, names: list[str], rows: list[int] | None = None
+) -> None:
+    """Fill `dst` with the named tensors stacked along dim 0 (a merged weight when several).
+
+    `rows` gives each tensor's leading size; by default `dst` splits evenly.
+    """
+    rows = rows or [dst.shape[0] // len(names)] * len(names)
+    offset = 0
+    for name, n in zip(names, rows, strict=True):
+        dst[offset : offset + n].copy_(_fetch(get, name, (n, *dst.shape[1:])))
+        offset += n
