@@ -1,0 +1,187 @@
+"""The cluster-wide prefix index: which workers hold the KV of which block hash.
+
+It is a hint for placement, never a source of physical block ids: the block managers stay
+authoritative. Two backends implement `PrefixIndex`: `MemoryPrefixIndex` (one process) and
+`RedisPrefixIndex` (shared by control-plane replicas).
+
+Redis layout, one hash per cached block:
+
+    {prefix}:{model}:b:{block_hash_hex}  ->  { worker_id: epoch, ... }
+
+A lookup is ONE round trip (a read-only Lua script): for every worker, the number of leading
+blocks of the prompt whose entry carries that worker's current epoch. An entry with an older
+epoch (the worker restarted and lost its cache) counts as absent, and is deleted by
+`drop_stale` when the worker registers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
+
+# Read-only: KEYS = block keys in prompt order; ARGV = worker_id_1, epoch_1, worker_id_2, ...
+_LOOKUP_LUA = """
+local result = {}
+for w = 1, #ARGV, 2 do
+  local worker, epoch = ARGV[w], ARGV[w + 1]
+  local n = 0
+  for i = 1, #KEYS do
+    if redis.call('HGET', KEYS[i], worker) ~= epoch then break end
+    n = i
+  end
+  result[#result + 1] = n
+end
+return result
+"""
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    worker_id: str
+    epoch: int
+
+
+class PrefixIndexUnavailable(RuntimeError):
+    """The index could not answer; placement falls back to load alone."""
+
+
+class PrefixIndex(ABC):
+    """Contract: `lookup` returns, per worker, how many leading blocks of `block_hashes` that
+    worker holds (at its current epoch); `update` records blocks stored on / removed from a
+    worker; `replace_worker` makes the index hold exactly `hashes` for that worker. Methods
+    may raise PrefixIndexUnavailable; callers degrade, they never fail a request for it."""
+
+    @abstractmethod
+    async def lookup(
+        self, block_hashes: Sequence[bytes], workers: Sequence[WorkerRef]
+    ) -> dict[str, int]: ...
+
+    @abstractmethod
+    async def update(
+        self, worker: WorkerRef, stored: Sequence[bytes], removed: Sequence[bytes]
+    ) -> None: ...
+
+    @abstractmethod
+    async def replace_worker(self, worker: WorkerRef, hashes: Sequence[bytes]) -> None: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class MemoryPrefixIndex(PrefixIndex):
+    def __init__(self) -> None:
+        self._blocks: dict[bytes, dict[str, int]] = {}
+
+    async def lookup(
+        self, block_hashes: Sequence[bytes], workers: Sequence[WorkerRef]
+    ) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for w in workers:
+            n = 0
+            for h in block_hashes:
+                if self._blocks.get(h, {}).get(w.worker_id) != w.epoch:
+                    break
+                n += 1
+            out[w.worker_id] = n
+        return out
+
+    async def update(
+        self, worker: WorkerRef, stored: Sequence[bytes], removed: Sequence[bytes]
+    ) -> None:
+        for h in removed:
+            holders = self._blocks.get(h)
+            if holders is not None:
+                holders.pop(worker.worker_id, None)
+                if not holders:
+                    del self._blocks[h]
+        for h in stored:
+            self._blocks.setdefault(h, {})[worker.worker_id] = worker.epoch
+
+    async def replace_worker(self, worker: WorkerRef, hashes: Sequence[bytes]) -> None:
+        for holders in self._blocks.values():
+            holders.pop(worker.worker_id, None)
+        self._blocks = {h: v for h, v in self._blocks.items() if v}
+        await self.update(worker, hashes, ())
+
+
+class RedisPrefixIndex(PrefixIndex):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        prefix: str = "pagedserve",
+        timeout_s: float = 0.05,
+        ttl_s: int = 24 * 3600,
+    ) -> None:
+        # Lookups sit on a request's path and get a tight deadline; writes are batched off
+        # the critical path and may take longer.
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._timeout_s = timeout_s
+        self._ns = f"{prefix}:{model}:b:"
+        self._ttl_s = ttl_s
+        self._lookup = self._redis.register_script(_LOOKUP_LUA)
+
+    def _key(self, h: bytes) -> str:
+        return self._ns + h.hex()
+
+    async def lookup(
+        self, block_hashes: Sequence[bytes], workers: Sequence[WorkerRef]
+    ) -> dict[str, int]:
+        if not block_hashes or not workers:
+            return {w.worker_id: 0 for w in workers}
+        argv: list[str] = []
+        for w in workers:
+            argv += [w.worker_id, str(w.epoch)]
+        try:
+            counts = await asyncio.wait_for(
+                self._lookup(keys=[self._key(h) for h in block_hashes], args=argv),
+                self._timeout_s,
+            )
+        except (TimeoutError, RedisError, OSError) as exc:
+            raise PrefixIndexUnavailable(str(exc)) from exc
+        return {w.worker_id: int(n) for w, n in zip(workers, counts, strict=True)}
+
+    async def update(
+        self, worker: WorkerRef, stored: Sequence[bytes], removed: Sequence[bytes]
+    ) -> None:
+        if not stored and not removed:
+            return
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for h in removed:
+                    pipe.hdel(self._key(h), worker.worker_id)
+                for h in stored:
+                    key = self._key(h)
+                    pipe.hset(key, worker.worker_id, str(worker.epoch))
+                    pipe.expire(key, self._ttl_s)
+                await pipe.execute()
+        except (TimeoutError, RedisError, OSError) as exc:
+            raise PrefixIndexUnavailable(str(exc)) from exc
+
+    async def replace_worker(self, worker: WorkerRef, hashes: Sequence[bytes]) -> None:
+        """Drops every entry of this worker (any epoch), then records `hashes`."""
+        try:
+            async for key in self._redis.scan_iter(match=self._ns + "*", count=1000):
+                await self._redis.hdel(key, worker.worker_id)
+        except (TimeoutError, RedisError, OSError) as exc:
+            raise PrefixIndexUnavailable(str(exc)) from exc
+        await self.update(worker, hashes, ())
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._redis.ping())
+        except (TimeoutError, RedisError, OSError):
+            return False
+
+    async def close(self) -> None:
+        await self._redis.aclose()

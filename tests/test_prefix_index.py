@@ -1,0 +1,79 @@
+"""Both prefix-index backends against the same contract; Redis is a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from control_plane.prefix_index import (
+    MemoryPrefixIndex,
+    PrefixIndex,
+    PrefixIndexUnavailable,
+    RedisPrefixIndex,
+    WorkerRef,
+)
+from tests.redis_proc import RedisServer
+
+H = [bytes([i]) * 16 for i in range(6)]
+W0, W1 = WorkerRef("w0", 1), WorkerRef("w1", 7)
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_index(request: pytest.FixtureRequest, redis_server: RedisServer):  # type: ignore[no-untyped-def]
+    made: list[PrefixIndex] = []
+
+    def make(model: str = "m") -> PrefixIndex:
+        if request.param == "memory":
+            index: PrefixIndex = MemoryPrefixIndex()
+        else:
+            redis_server.client().flushall()
+            index = RedisPrefixIndex(redis_server.url, model)
+        made.append(index)
+        return index
+
+    return make
+
+
+def test_longest_prefix_per_worker(make_index) -> None:  # type: ignore[no-untyped-def]
+    async def go() -> None:
+        index = make_index()
+        await index.update(W0, H[:4], ())
+        await index.update(W1, [H[0], H[1], H[3]], ())
+        assert await index.lookup(H[:5], [W0, W1]) == {"w0": 4, "w1": 2}
+        await index.update(W0, (), [H[1]])
+        assert await index.lookup(H[:5], [W0, W1]) == {"w0": 1, "w1": 2}
+        # A restarted worker (new epoch) holds nothing until it publishes again.
+        assert await index.lookup(H[:5], [WorkerRef("w1", 8)]) == {"w1": 0}
+        await index.replace_worker(WorkerRef("w1", 8), [H[0]])
+        assert await index.lookup(H[:5], [WorkerRef("w1", 8)]) == {"w1": 1}
+        assert await index.lookup(H[:5], [W1]) == {"w1": 0}  # old-epoch entries are gone
+        await index.close()
+
+    asyncio.run(go())
+
+
+def test_redis_outage_raises_unavailable_then_recovers(redis_server: RedisServer) -> None:
+    async def go() -> None:
+        index = RedisPrefixIndex(redis_server.url, "outage")
+        await index.update(W0, H[:2], ())
+        redis_server.stop()
+        with pytest.raises(PrefixIndexUnavailable):
+            await index.lookup(H[:2], [W0])
+        with pytest.raises(PrefixIndexUnavailable):
+            await index.update(W0, H[2:3], ())
+        redis_server.start()
+        assert await index.lookup(H[:2], [W0]) == {"w0": 0}  # the restarted Redis is empty
+        await index.replace_worker(W0, H[:3])
+        assert await index.lookup(H[:4], [W0]) == {"w0": 3}
+        await index.close()
+
+    asyncio.run(go())
