@@ -56,6 +56,7 @@ class ModelRunner:
         self.device = cache.kv.device
         self.block_size = cache.geometry.block_size
         self.requests: dict[str, RequestState] = {}
+        self.eos_token_ids = tuple(model.config.eos_token_ids)
 
     def reset(self) -> None:
         """Forgets every request (a new control-plane stream starts from nothing)."""
@@ -91,6 +92,7 @@ class ModelRunner:
             states = [self.requests[r] for r in batch.sample_req_ids]
             if states:
                 logits = self.model.compute_logits(hidden[batch.sample_rows])
+                self._suppress_early_stops(logits, states)
                 rows = [
                     SamplingRow(s.sampling, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
                     for s in states
@@ -104,6 +106,22 @@ class ModelRunner:
             result.model_time_s = time.perf_counter() - t1
         result.total_time_s = time.perf_counter() - t0
         return result
+
+    def _suppress_early_stops(self, logits: torch.Tensor, states: list[RequestState]) -> None:
+        """Below min_tokens, EOS and stop token ids cannot be sampled."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, st in enumerate(states):
+            sp = st.sampling
+            if sp.min_tokens and len(st.token_ids) - st.num_prompt_tokens < sp.min_tokens:
+                stops = set(sp.stop_token_ids)
+                if not sp.ignore_eos:
+                    stops.update(self.eos_token_ids)
+                ids = [t for t in stops if t < logits.shape[1]]
+                rows += [i] * len(ids)
+                cols += ids
+        if rows:
+            logits[rows, cols] = float("-inf")
 
     def profile(self, num_tokens: int) -> None:
         """Runs one prefill of num_tokens tokens so the caller can measure peak memory."""

@@ -200,3 +200,19 @@ def test_full_waiting_queue_is_resource_exhausted(
     with ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(run, range(8)))
     assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes
+
+
+def test_min_tokens_suppresses_stop_tokens(stack: Stack) -> None:
+    prompt = list(range(300, 320))
+    first = generate(stack.stub, prompt, max_tokens=1, temperature=0.0).token_ids[0]
+    out = generate(
+        stack.stub,
+        prompt,
+        max_tokens=8,
+        temperature=0.0,
+        ignore_eos=True,
+        stop_token_ids=[first],
+        min_tokens=4,
+    )
+    assert len(out.token_ids) >= 4
+    assert first not in out.token_ids[:3]

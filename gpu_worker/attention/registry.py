@@ -1,4 +1,8 @@
-"""Picks the attention backend for a device: triton on CUDA, torch on CPU by default."""
+"""Picks the attention backend for a device: triton on CUDA, torch on CPU by default.
+
+The triton backend also runs on the CPU under TRITON_INTERPRET=1 (slow, for tests); without
+it, asking for triton on the CPU fails at start-up with a message saying so.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ def create_backend(
 
         return TorchAttentionBackend(cache, num_heads, head_dim)
     if name == "triton":
-        raise ValueError(
-            "attention backend 'triton' is not available in this build; use --attention-backend"
-            " torch"
-        )
+        # Imported here: it loads the Triton kernels, which read TRITON_INTERPRET at import.
+        from gpu_worker.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(cache, num_heads, head_dim)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -30,7 +30,7 @@ class ChatPrompt(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "add_special_tokens")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "add_special_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -45,10 +46,11 @@ class GenerateRequest(_message.Message):
     chat: ChatPrompt
     sampling: _common_pb2.SamplingParams
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "stop_reason")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "stop_reason", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -65,7 +68,8 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     stop_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -106,7 +110,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_cache_usage", "num_preemptions", "num_recompute_preemptions", "num_swap_preemptions", "num_chunked_prefill_steps", "num_steps", "num_prompt_tokens_computed", "num_generated_tokens", "healthy", "epoch", "num_blocks_swapped_out", "num_blocks_swapped_in")
+    __slots__ = ("address", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_cache_usage", "num_preemptions", "num_recompute_preemptions", "num_swap_preemptions", "num_chunked_prefill_steps", "num_steps", "num_prompt_tokens_computed", "num_generated_tokens", "healthy", "epoch", "num_blocks_swapped_out", "num_blocks_swapped_in", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_cached_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +131,11 @@ class WorkerStats(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_SWAPPED_OUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_SWAPPED_IN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     num_running: int
     num_waiting: int
@@ -147,10 +156,15 @@ class WorkerStats(_message.Message):
     epoch: int
     num_blocks_swapped_out: int
     num_blocks_swapped_in: int
-    def __init__(self, address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_chunked_prefill_steps: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_blocks_swapped_out: _Optional[int] = ..., num_blocks_swapped_in: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_cached_blocks: int
+    def __init__(self, address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_chunked_prefill_steps: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_blocks_swapped_out: _Optional[int] = ..., num_blocks_swapped_in: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "kv_cache_usage", "num_preemptions", "num_requests_finished", "num_requests_aborted", "num_chunked_prefill_steps", "workers", "num_pending")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "kv_cache_usage", "num_preemptions", "num_requests_finished", "num_requests_aborted", "num_chunked_prefill_steps", "workers", "num_pending", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_index_available", "num_routed_with_prefix_hit", "num_routed")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +175,13 @@ class StatsResponse(_message.Message):
     NUM_CHUNKED_PREFILL_STEPS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_INDEX_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_WITH_PREFIX_HIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -171,4 +192,11 @@ class StatsResponse(_message.Message):
     num_chunked_prefill_steps: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     num_pending: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_requests_aborted: _Optional[int] = ..., num_chunked_prefill_steps: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_pending: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_index_available: bool
+    num_routed_with_prefix_hit: int
+    num_routed: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_requests_aborted: _Optional[int] = ..., num_chunked_prefill_steps: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_pending: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_index_available: _Optional[bool] = ..., num_routed_with_prefix_hit: _Optional[int] = ..., num_routed: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Benchmarks: each file measures one thing and writes JSON under benchmarks/results/."""
