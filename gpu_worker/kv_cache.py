@@ -77,9 +77,16 @@ class KVCache:
             self.kv[:, :, dst] = self.cpu_kv[:, :, src.cpu()].to(self.kv.device)
 
     def copy_blocks(self, moves: list[BlockMove]) -> None:
-        if moves:
-            src, dst = _split(moves, self.kv.device)
-            self.kv[:, :, dst] = self.kv[:, :, src]
+        if not moves:
+            return
+        if self.kv.device.type == "cuda":
+            from kernels.copy_blocks import copy_blocks
+
+            pairs = torch.tensor(moves, dtype=torch.long, device=self.kv.device)
+            copy_blocks(self.kv.flatten(0, 1), pairs)
+            return
+        src, dst = _split(moves, self.kv.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
 
 
 def _split(moves: list[BlockMove], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
