@@ -33,7 +33,7 @@ test: $(STAMP) redis-server
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy control_plane gpu_worker pagedserve
+	$(VENV)/bin/mypy control_plane gpu_worker pagedserve gateway
 
 protos: $(STAMP)
 	PYTHON=$(PY) scripts/gen_protos.sh

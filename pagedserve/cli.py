@@ -109,10 +109,34 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(a: argparse.Namespace) -> int:
+    from gateway.config import GatewayConfig
+    from gateway.server import serve
+
+    cfg = GatewayConfig(
+        control_plane=a.control_plane,
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key or None,
+        served_model_name=a.served_model_name or None,
+        max_request_bytes=a.max_request_bytes,
+        graceful_shutdown_s=a.graceful_shutdown_timeout,
+    )
+    serve(cfg)
+    return 0
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     from pagedserve.cluster import run_cluster
 
     return run_cluster(a, _model_dir(a.model))
+
+
+def cmd_healthcheck(a: argparse.Namespace) -> int:
+    from pagedserve.cluster import grpc_serving, http_ok
+
+    ok = grpc_serving(a.grpc, a.timeout) if a.grpc else http_ok(a.http, a.timeout)
+    return 0 if ok else 1
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -181,6 +205,25 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--redis-url", default=None, help="Redis for the prefix-hash index")
 
 
+def _gateway_flags(p: argparse.ArgumentParser) -> None:
+    _flag(p, "--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
+    _flag(p, "--served-model-name", default=None, help="the model name clients use")
+    _flag(
+        p,
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=4 << 20,
+        help="largest accepted request body (e.g. 4MiB)",
+    )
+    _flag(
+        p,
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stopping gateway lets in-flight requests finish",
+    )
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--control-plane", default="127.0.0.1:50051", help="HOST:PORT")
     _flag(p, "--json", action="store_true", help="print JSON")
@@ -216,16 +259,46 @@ def build_parser() -> argparse.ArgumentParser:
     _scheduler_flags(cp)
     cp.set_defaults(func=cmd_control_plane)
 
-    up = sub.add_parser("up", help="run a local cluster: control plane + workers")
+    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
+    _flag(gw, "--host", default="127.0.0.1")
+    _flag(gw, "--port", type=int, default=8000)
+    _flag(gw, "--control-plane", default="127.0.0.1:50051", help="HOST:PORT")
+    _gateway_flags(gw)
+    gw.set_defaults(func=cmd_gateway)
+
+    up = sub.add_parser(
+        "up", help="run a local cluster: redis, workers, control plane and the HTTP gateway"
+    )
     _flag(up, "--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
     _flag(up, "--workers", type=int, default=1, help="number of worker processes")
     _flag(up, "--host", default="127.0.0.1")
+    _flag(
+        up,
+        "--port",
+        type=int,
+        default=None,
+        help="gateway HTTP port (default: 8000, or a free port when 8000 is taken)",
+    )
     _flag(up, "--grpc-port", type=int, default=50051, help="control plane port")
     _flag(up, "--worker-base-port", type=int, default=50061)
-    _flag(up, "--served-model-name", default=None)
+    _flag(
+        up,
+        "--redis-port",
+        type=int,
+        default=0,
+        help="port of the redis-server started when --redis-url is not given (0: a free one)",
+    )
     _worker_flags(up)
     _scheduler_flags(up)
+    _gateway_flags(up)
     up.set_defaults(func=cmd_up)
+
+    hc = sub.add_parser("healthcheck", help="exit 0 when a server is healthy (for probes)")
+    target = hc.add_mutually_exclusive_group(required=True)
+    target.add_argument("--grpc", metavar="HOST:PORT", help="grpc.health.v1 reports SERVING")
+    target.add_argument("--http", metavar="URL", help="GET URL answers 2xx")
+    hc.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    hc.set_defaults(func=cmd_healthcheck)
 
     gen = sub.add_parser("generate", help="generate from a prompt through the control plane")
     _client_flags(gen)

@@ -1,31 +1,65 @@
 """`pagedserve up`: the local cluster as child processes, each log line prefixed with its name.
 
-Starts the workers, then the control plane, waits until each reports SERVING on the standard
-gRPC health service, prints the address, and on Ctrl-C (or SIGTERM) stops them in reverse
-order, letting the control plane drain in-flight requests first.
+Starts redis-server (unless --redis-url names one), the workers, the control plane and the
+HTTP gateway, in that order, waiting until each is healthy; prints the URL. Ctrl-C (or
+SIGTERM) stops them in reverse order: the gateway first lets in-flight requests finish, then
+the control plane drains, then the workers and Redis go.
+
+Children run in their own sessions, so a terminal's Ctrl-C reaches only this process and the
+shutdown order holds; each child gets SIGTERM should this process die without cleaning up.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 READY_TIMEOUT_S = 300.0
+DEFAULT_HTTP_PORT = 8000
+_PR_SET_PDEATHSIG = 1
+
+
+def _find_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None  # not Linux: children outlive a killed parent
+
+
+_PRCTL = _find_prctl()  # looked up here: the child between fork and exec should do little
+
+
+def _die_with_parent() -> None:
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, bufsize=1
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if _PRCTL is not None else None,
         )
         self._pump = threading.Thread(target=self._prefix, daemon=True)
         self._pump.start()
@@ -35,6 +69,10 @@ class Child:
         for line in self.proc.stdout:
             sys.stdout.write(f"{self.name:>14s} | {line}")
             sys.stdout.flush()
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}")
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc.poll() is None:
@@ -47,21 +85,70 @@ class Child:
         self._pump.join(timeout=2)
 
 
-def wait_serving(address: str, child: Child, timeout: float = READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
+# -- health checks (also `pagedserve healthcheck`) ------------------------------------------------
+
+
+def grpc_serving(address: str, timeout: float = 1.0) -> bool:
+    """The standard grpc.health.v1 service at address reports SERVING."""
     with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}")
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{child.name} did not become healthy at {address} in {timeout:.0f}s")
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """GET url answers 2xx."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= int(resp.status) < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def tcp_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until(
+    check: Callable[[], bool], child: Child, what: str, timeout: float = READY_TIMEOUT_S
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        child.check_alive()
+        if check():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{child.name} did not become healthy at {what} in {timeout:.0f}s")
+
+
+def wait_serving(address: str, child: Child, timeout: float = READY_TIMEOUT_S) -> None:
+    wait_until(lambda: grpc_serving(address), child, address, timeout)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+# -- the cluster --------------------------------------------------------------------------------
 
 
 def _passthrough(a: argparse.Namespace, names: list[str]) -> list[str]:
@@ -73,24 +160,56 @@ def _passthrough(a: argparse.Namespace, names: list[str]) -> list[str]:
     return argv
 
 
+WORKER_FLAGS = [
+    "device",
+    "dtype",
+    "block-size",
+    "kv-cache-memory",
+    "gpu-memory-utilization",
+    "swap-space",
+    "attention-backend",
+    "max-model-len",
+    "num-threads",
+    "served-model-name",
+]
+SCHEDULER_FLAGS = [
+    "max-num-seqs",
+    "max-num-batched-tokens",
+    "long-prefill-token-threshold",
+    "preemption",
+    "max-waiting",
+    "served-model-name",
+]
+GATEWAY_FLAGS = ["max-request-bytes", "graceful-shutdown-timeout"]
+
+
+def _start_redis(a: argparse.Namespace, env: dict[str, str]) -> tuple[Child | None, str | None]:
+    """redis-server on a free (or the given) port, or None when it is not installed: Redis
+    only holds routing hints, so serving goes on without it."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        print("redis-server not found: running without the prefix index", file=sys.stderr)
+        return None, None
+    port = a.redis_port or free_port(a.host)
+    argv = [binary, "--bind", a.host, "--port", str(port), "--save", "", "--appendonly", "no"]
+    child = Child("redis", argv, env)
+    wait_until(lambda: tcp_open(a.host, port), child, f"{a.host}:{port}", timeout=30)
+    return child, f"redis://{a.host}:{port}/0"
+
+
+def _http_port(a: argparse.Namespace) -> int:
+    if a.port is not None:
+        return int(a.port)
+    if _port_free(a.host, DEFAULT_HTTP_PORT):
+        return DEFAULT_HTTP_PORT
+    port = free_port(a.host)
+    print(f"port {DEFAULT_HTTP_PORT} is taken: the gateway uses {port}", file=sys.stderr)
+    return port
+
+
 def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
     env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": os.environ.get("PAGEDSERVE_LOG_FORMAT", "json")}
     py = [sys.executable, "-m", "pagedserve.cli"]
-    worker_flags = _passthrough(
-        a,
-        [
-            "device",
-            "dtype",
-            "block-size",
-            "kv-cache-memory",
-            "gpu-memory-utilization",
-            "swap-space",
-            "attention-backend",
-            "max-model-len",
-            "num-threads",
-            "served-model-name",
-        ],
-    )
     children: list[Child] = []
 
     def _terminate(signum: int, frame: object) -> None:
@@ -98,54 +217,49 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        redis_url = a.redis_url
+        if redis_url is None:
+            redis, redis_url = _start_redis(a, env)
+            if redis is not None:
+                children.append(redis)
         addresses = []
+        workers = []
         for i in range(a.workers):
             port = a.worker_base_port + i
             addresses.append(f"{a.host}:{port}")
-            children.append(
-                Child(
-                    f"worker-{i}",
-                    py
-                    + ["worker", "--model", model_dir, "--host", a.host, "--port", str(port)]
-                    + worker_flags,
-                    env,
-                )
-            )
-        for child, address in zip(children, addresses, strict=True):
+            argv = ["worker", "--model", model_dir, "--host", a.host, "--port", str(port)]
+            workers.append(Child(f"worker-{i}", py + argv + _passthrough(a, WORKER_FLAGS), env))
+        children += workers
+        for child, address in zip(workers, addresses, strict=True):
             wait_serving(address, child)
         cp_address = f"{a.host}:{a.grpc_port}"
-        cp = Child(
-            "control-plane",
-            py
-            + [
-                "control-plane",
-                "--host",
-                a.host,
-                "--port",
-                str(a.grpc_port),
-                "--workers",
-                ",".join(addresses),
-            ]
-            + _passthrough(
-                a,
-                [
-                    "max-num-seqs",
-                    "max-num-batched-tokens",
-                    "long-prefill-token-threshold",
-                    "preemption",
-                    "max-waiting",
-                    "redis-url",
-                    "served-model-name",
-                ],
-            ),
-            env,
-        )
+        cp_argv = ["control-plane", "--host", a.host, "--port", str(a.grpc_port)]
+        cp_argv += ["--workers", ",".join(addresses)]
+        if redis_url:
+            cp_argv += ["--redis-url", redis_url]
+        cp = Child("control-plane", py + cp_argv + _passthrough(a, SCHEDULER_FLAGS), env)
         children.append(cp)
         wait_serving(cp_address, cp)
+        http_port = _http_port(a)
+        url = f"http://{a.host}:{http_port}"
+        gw_argv = ["gateway", "--host", a.host, "--port", str(http_port)]
+        gw_argv += ["--control-plane", cp_address]
+        gw_env = dict(env)
+        if a.api_key:  # through the environment, not argv, which `ps` shows to everyone
+            gw_env["PAGEDSERVE_API_KEY"] = a.api_key
+        gateway = Child("gateway", py + gw_argv + _passthrough(a, GATEWAY_FLAGS), gw_env)
+        children.append(gateway)
+        wait_until(lambda: http_ok(f"{url}/health"), gateway, f"{url}/health")
         print(
-            f"pagedserve is up: control plane at {cp_address} (gRPC), model {model_dir}", flush=True
+            f"pagedserve is up: {url} (OpenAI API), control plane at {cp_address} (gRPC), "
+            f"model {model_dir}",
+            flush=True,
         )
-        print(f"try: pagedserve generate --control-plane {cp_address} --prompt 'Hello'", flush=True)
+        example = """-d '{"prompt": "Hello", "max_tokens": 16}'"""
+        print(
+            f"try: curl {url}/v1/completions -H 'Content-Type: application/json' {example}",
+            flush=True,
+        )
         while all(c.proc.poll() is None for c in children):
             time.sleep(0.5)
         dead = [c.name for c in children if c.proc.poll() is not None]
@@ -155,5 +269,15 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
         print("stopping (draining in-flight requests)", flush=True)
         return 0
     finally:
+        _stop_all(children, a.graceful_shutdown_timeout + 5)
+
+
+def _stop_all(children: list[Child], gateway_timeout: float) -> None:
+    """Reverse start order; a second Ctrl-C kills whatever is still running."""
+    try:
         for child in reversed(children):
-            child.stop()
+            child.stop(gateway_timeout if child.name == "gateway" else 15.0)
+    except KeyboardInterrupt:
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.kill()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # Default max_tokens when a client leaves it unset, as OpenAI's completions API does.
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
+MAX_N = 16  # parallel samples per request
 
 
 class InvalidRequestError(ValueError):
@@ -21,7 +22,9 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
     filters. A seed makes the request's draws reproducible whatever else is in the batch.
     logprobs is None (none returned) or the number of top alternatives to return beside the
-    chosen token's log-probability (0 means just the chosen token).
+    chosen token's log-probability (0 means just the chosen token). n > 1 asks for n
+    completions of one prompt (parallel sampling): the control plane forks the request into n
+    children with n == 1 and their own seeds, so a worker only ever sees n == 1.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -38,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    n: int = 1
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -69,6 +73,8 @@ class SamplingParams:
             raise bad("stop_token_ids must be non-negative")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if not (1 <= self.n <= MAX_N):
+            raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,8 @@ def test_up_default_model_then_generate_and_stats(tmp_path: Path) -> None:
             str(worker_port),
             "--kv-cache-memory",
             "64MiB",
+            "--port",
+            str(free_port()),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -1,0 +1,220 @@
+"""The FastAPI app: OpenAI routes, /health and /metrics over one control-plane channel."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from gateway.choices import Choice, expand_choices, sampling_proto, stream_choices
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, from_grpc, install_handlers
+from gateway.generate import respond
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import ApiKeyAuth, BodyLimit, RequestContext, request_id_of
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.responses import ChatFormat, CompletionFormat, Format
+from gateway.upstream import Upstream
+from protos.v1 import control_plane_pb2 as pb
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in [
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (429, "The control plane's queue is full; retry after Retry-After seconds"),
+        (503, "The control plane is unavailable"),
+    ]
+}
+
+
+class Gateway:
+    """What the routes share: configuration, the upstream channel, metrics."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self._upstream: Upstream | None = None
+        self._default_model: str | None = None
+
+    @property
+    def upstream(self) -> Upstream:
+        assert self._upstream is not None, "the app's lifespan has not started"
+        return self._upstream
+
+    async def start(self) -> None:
+        self._upstream = Upstream(self.config.control_plane, self.config.control_timeout_s)
+
+    async def stop(self) -> None:
+        if self._upstream is not None:
+            await self._upstream.close()
+
+    async def models(self) -> list[pb.ModelInfo]:
+        try:
+            return await self.upstream.models()
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc(exc, self.config.retry_after_s) from None
+
+    async def model_names(self, requested: str | None) -> tuple[str, str]:
+        """(the name clients see, the name sent upstream; "" lets the control plane choose)."""
+        served = self.config.served_model_name
+        if served is not None:
+            if requested and requested != served:
+                raise APIError(
+                    404, f"model {requested!r} is not served here", code="model_not_found"
+                )
+            return served, ""
+        if requested:
+            return requested, requested  # an unknown name comes back as NOT_FOUND -> 404
+        if self._default_model is None:
+            models = await self.models()
+            if not models:
+                raise APIError(503, "the control plane serves no model", type="server_error")
+            self._default_model = models[0].id
+        return self._default_model, ""
+
+    async def run(
+        self, request: Request, body: SamplingFields, choices: list[Choice], fmt: Format
+    ) -> Response:
+        events = stream_choices(
+            self.upstream, choices, self.metrics, fmt.model, self.config.retry_after_s
+        )
+        return await respond(request, events, choices, fmt, body.n, body.stream, body.include_usage)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    gw = Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(
+        title="pagedserve",
+        summary="OpenAI-compatible API over the pagedserve control plane",
+        version="1",
+        lifespan=lifespan,
+        strict_content_type=False,  # a body without Content-Type is read as JSON
+    )
+    app.state.gateway = gw
+    install_handlers(app)
+    # Starlette wraps in reverse: the last added runs first.
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+    app.add_middleware(RequestContext)
+
+    @app.post("/v1/completions", response_model=None, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.check()
+        shown, upstream_model = await gw.model_names(body.model)
+        rid = request_id_of(request.scope)
+        prompts = body.prompts()
+        sampling = sampling_proto(body, body.logprobs)
+        single = len(prompts) * body.n == 1
+        choices: list[Choice] = []
+        for i, prompt in enumerate(prompts):
+            base = pb.GenerateRequest(
+                model=upstream_model, sampling=sampling, add_special_tokens=body.add_special_tokens
+            )
+            if isinstance(prompt, str):
+                base.text = prompt
+            else:
+                base.token_ids.ids.extend(prompt)
+            choices += expand_choices(base, body.n, i * body.n, rid, single)
+        fmt = CompletionFormat(f"cmpl-{rid}", shown, body.logprobs)
+        return await gw.run(request, body, choices, fmt)
+
+    @app.post("/v1/chat/completions", response_model=None, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body.check()
+        shown, upstream_model = await gw.model_names(body.model)
+        rid = request_id_of(request.scope)
+        logprobs = body.logprobs_k()
+        base = pb.GenerateRequest(model=upstream_model, sampling=sampling_proto(body, logprobs))
+        base.chat.add_generation_prompt = body.add_generation_prompt
+        base.chat.messages.extend(
+            pb.ChatMessage(role=role, content=content) for role, content in body.message_texts()
+        )
+        choices = expand_choices(base, body.n, 0, rid, body.n == 1)
+        fmt = ChatFormat(f"chatcmpl-{rid}", shown, logprobs)
+        return await gw.run(request, body, choices, fmt)
+
+    @app.get("/v1/models", responses=_ERRORS)
+    async def list_models() -> dict[str, Any]:
+        models = await gw.models()
+        served = config.served_model_name
+        data = [
+            {
+                "id": served or m.id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pagedserve",
+                "root": m.id,
+                "max_model_len": m.max_model_len,
+            }
+            for m in (models[:1] if served else models)
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> JSONResponse:
+        """200 while the control plane serves and at least one worker is healthy."""
+        if await gw.upstream.serving():
+            return JSONResponse({"status": "ok"})
+        return APIError(
+            503, "the control plane or its workers are not serving", type="server_error"
+        ).response()
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        try:
+            snapshot: pb.StatsResponse | None = await gw.upstream.stats()
+        except grpc.aio.AioRpcError:
+            snapshot = None
+        try:
+            name, _ = await gw.model_names(None)
+        except APIError:
+            name = ""
+        return Response(gw.metrics.render(snapshot, name), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            # Validation errors are 400 in OpenAI's shape here, never FastAPI's 422.
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

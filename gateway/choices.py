@@ -1,0 +1,136 @@
+"""From an OpenAI body to one GenerateRequest per choice, and the merged stream of their
+answers.
+
+The control plane generates one sequence per Generate call, so `n > 1` is n calls
+(`expand_choices`, the one place that decides it); a batch of prompts is one group of n per
+prompt. Choice index = prompt index * n + i, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.errors import APIError, from_grpc
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import SamplingFields
+from gateway.upstream import Upstream
+from pagedserve.log import get_logger
+from protos.v1 import common_pb2
+from protos.v1 import control_plane_pb2 as pb
+
+log = get_logger(__name__)
+
+SEED_MODULUS = 2**63
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    request: pb.GenerateRequest
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    index: int
+    message: pb.GenerateResponse
+
+
+def sampling_proto(body: SamplingFields, logprobs: int | None) -> common_pb2.SamplingParams:
+    """The body's sampling fields; unset ones stay unset so the control plane's defaults apply."""
+    msg = common_pb2.SamplingParams(
+        stop=body.stop_list,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+    )
+    max_tokens = body.effective_max_tokens()
+    if max_tokens is not None:
+        msg.max_tokens = max_tokens
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+    ):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(msg, name, value)
+    if body.top_k is not None:
+        msg.top_k = max(body.top_k, 0)  # -1 (off, as vLLM spells it) -> 0
+    if logprobs is not None:
+        msg.logprobs = logprobs
+    return msg
+
+
+def expand_choices(
+    base: pb.GenerateRequest, n: int, first_index: int, request_id: str, single: bool
+) -> list[Choice]:
+    """n independent requests for one prompt. With a seed, choice i samples with seed + i, so
+    the choices differ and each reproduces. Request ids are `request_id` for a lone choice,
+    `request_id-<index>` otherwise, so every upstream request is unique and traceable."""
+    out = []
+    for i in range(n):
+        req = pb.GenerateRequest()
+        req.CopyFrom(base)
+        index = first_index + i
+        req.request_id = request_id if single else f"{request_id}-{index}"
+        if i and base.sampling.HasField("seed"):
+            req.sampling.seed = (base.sampling.seed + i) % SEED_MODULUS
+        out.append(Choice(index, req))
+    return out
+
+
+async def stream_choices(
+    upstream: Upstream,
+    choices: list[Choice],
+    metrics: GatewayMetrics,
+    model_name: str,
+    retry_after_s: int,
+) -> AsyncGenerator[ChoiceEvent, None]:
+    """Runs every choice's Generate call at once and yields their messages as they arrive.
+
+    The first upstream error is raised (as an APIError) after cancelling the other calls;
+    closing or cancelling the iterator cancels every call still running, which makes the
+    control plane free their blocks at once.
+    """
+    queue: asyncio.Queue[ChoiceEvent | APIError | None] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        call = upstream.generate(choice.request)
+        timer = metrics.timer(model_name)
+        try:
+            async for msg in call:
+                timer.on_message(msg)
+                queue.put_nowait(ChoiceEvent(choice.index, msg))
+            queue.put_nowait(None)
+        except grpc.aio.AioRpcError as exc:
+            queue.put_nowait(from_grpc(exc, retry_after_s))
+        except Exception as exc:  # a bug here must reach the client as a 500, not a hang
+            log.exception("choice_failed", error=f"{type(exc).__name__}: {exc}")
+            queue.put_nowait(APIError(500, "internal error", type="server_error"))
+        finally:
+            call.cancel()
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)

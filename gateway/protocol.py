@@ -1,0 +1,215 @@
+"""OpenAI request bodies, validated before anything reaches the control plane.
+
+Types are strict (no "5" for 5) and the ranges are those of
+`pagedserve.sampling_params.SamplingParams`, so what passes here is rejected upstream only for
+what needs the model: prompt length, vocabulary, context. `check()` covers the rules that
+span fields or name features the gateway does not offer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from gateway.errors import bad_request
+from pagedserve.sampling_params import MAX_LOGPROBS, MAX_N
+
+UINT32_MAX = 2**32 - 1
+MAX_CHOICES = 256  # prompts x n in one request
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 5.0 as an integer; so do we (5.5 still fails)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Constraints go before the validator: that way they also reach the JSON schema.
+INTEGRAL = BeforeValidator(_integral)
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX), INTEGRAL]
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+def _reject_lone_surrogates(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _reject_lone_surrogates(k)
+            _reject_lone_surrogates(v)
+    elif isinstance(value, list):
+        for v in value:
+            _reject_lone_surrogates(v)
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers commonly do.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        _reject_lone_surrogates(data)
+        return data
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """What /v1/completions and /v1/chat/completions share."""
+
+    model: Annotated[str, Field(max_length=512)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1e4)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1), INTEGRAL] | None = None  # -1 or 0: off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1), INTEGRAL] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=64)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX), INTEGRAL] = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, Field(max_length=512)] | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def check(self) -> None:
+        max_tokens = self.effective_max_tokens()
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise bad_request("min_tokens must not exceed max_tokens", "min_tokens")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)
+        ]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
+
+    def check(self) -> None:
+        super().check()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise bad_request(f"prompts x n must not exceed {MAX_CHOICES}", "n")
+
+
+class ContentPart(_Body):
+    type: Annotated[str, Field(max_length=64)]
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[ContentPart], Field(max_length=4096)] | None = None
+    name: Annotated[str, Field(max_length=512)] | None = None
+
+
+class ResponseFormat(_Body):
+    type: Annotated[str, Field(max_length=64)]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=65536)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
+
+    def effective_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token to ask the control plane for, or None for no logprobs."""
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def message_texts(self) -> list[tuple[str, str]]:
+        """(role, content) pairs; text parts joined by newlines."""
+        out: list[tuple[str, str]] = []
+        for i, m in enumerate(self.messages):
+            if m.content is None or isinstance(m.content, str):
+                out.append((m.role, m.content or ""))
+                continue
+            texts = []
+            for j, part in enumerate(m.content):
+                param = f"messages.{i}.content.{j}"
+                if part.type != "text":
+                    raise bad_request(
+                        f"content parts of type {part.type!r} are not supported; send text",
+                        f"{param}.type",
+                    )
+                if part.text is None:
+                    raise bad_request("a text content part needs text", f"{param}.text")
+                texts.append(part.text)
+            out.append((m.role, "\n".join(texts)))
+        return out
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(
+                f"response_format {self.response_format.type!r} is not supported",
+                "response_format",
+            )
+        self.message_texts()

@@ -1,0 +1,36 @@
+"""`pagedserve gateway`: the app under uvicorn. SIGINT/SIGTERM stop accepting connections
+and let in-flight requests finish (up to graceful_shutdown_s) before exiting."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from pagedserve.log import configure_logging, get_logger
+
+log = get_logger(__name__)
+
+
+def serve(config: GatewayConfig) -> None:
+    configure_logging("gateway")
+    # The gateway logs its own structured lines; keep uvicorn's to warnings and errors.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    app = create_app(config)
+    log.info(
+        "gateway_listening",
+        url=f"http://{config.host}:{config.port}",
+        control_plane=config.control_plane,
+        api_key=config.api_key is not None,
+    )
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=int(config.graceful_shutdown_s),
+    )

@@ -1,0 +1,239 @@
+"""docker-compose.yml, the Dockerfile and deploy/k8s: they parse, and every command, flag,
+environment variable, port and health check they use exists in the CLI and agrees with the
+rest (probes hit the port the process listens on, addresses name real services)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from pagedserve.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+# Variables read outside argparse (logging, the model cache).
+NON_FLAG_ENV = {"PAGEDSERVE_LOG_FORMAT", "PAGEDSERVE_LOG_LEVEL", "PAGEDSERVE_CACHE_DIR"}
+GATEWAY_ROUTES = {getattr(r, "path", None) for r in create_app(GatewayConfig()).routes}
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def option_strings(command: str) -> set[str]:
+    return {s for a in subcommands()[command]._actions for s in a.option_strings}
+
+
+def parse(argv: list[str], env: dict[str, str], mp: pytest.MonkeyPatch) -> argparse.Namespace:
+    """Parses argv the way the container would, with its environment applied."""
+    import os
+
+    with mp.context() as m:
+        for key in [k for k in os.environ if k.startswith("PAGEDSERVE_")]:
+            m.delenv(key)
+        for key, value in env.items():
+            m.setenv(key, value)
+        command = argv[0]
+        for key in env:
+            if key.startswith("PAGEDSERVE_") and key not in NON_FLAG_ENV:
+                flag = "--" + key.removeprefix("PAGEDSERVE_").lower().replace("_", "-")
+                assert flag in option_strings(command), f"{key}: `{command}` has no {flag}"
+        return build_parser().parse_args(argv)
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def dockerfile_targets() -> set[str]:
+    text = (ROOT / "Dockerfile").read_text()
+    return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, flags=re.MULTILINE | re.IGNORECASE))
+
+
+def test_dockerfile_targets_and_entrypoint() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert {"cpu", "cuda"} <= dockerfile_targets()
+    assert text.count('ENTRYPOINT ["pagedserve"]') == 2
+    for cmd in re.findall(r"^CMD (\[.*\])$", text, flags=re.MULTILINE):
+        build_parser().parse_args(yaml.safe_load(cmd))
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+# -- docker compose -------------------------------------------------------------------------------
+
+
+def _interpolate(value: Any) -> Any:
+    """Compose's ${VAR:-default} with nothing set: the default."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+    if isinstance(value, list):
+        return [_interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _interpolate(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = _interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+    assert isinstance(data, dict)
+    return data
+
+
+def test_compose_services_commands_and_health(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    services = compose["services"]
+    assert {"redis", "gpu-worker", "cpu-worker", "control-plane", "gateway"} <= set(services)
+    parsed: dict[str, argparse.Namespace] = {}
+    for name, svc in services.items():
+        if not str(svc.get("image", "")).startswith("pagedserve"):
+            continue
+        assert svc["build"]["target"] in dockerfile_targets()
+        env = {k: str(v) for k, v in svc.get("environment", {}).items()}
+        args = parse(svc["command"], env, monkeypatch)
+        parsed[name] = args
+        test = svc["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "pagedserve", "healthcheck"], name
+        check = build_parser().parse_args(test[2:])
+        if args.command == "gateway":
+            url = f"http://127.0.0.1:{args.port}/health"
+            assert check.http == url and "/health" in GATEWAY_ROUTES
+            assert any(str(p).endswith(f":{args.port}") for p in svc["ports"])
+        else:
+            assert check.grpc == f"127.0.0.1:{args.port}", name
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown {dep}"
+
+    # Addresses point at services (or their aliases) on the ports they listen on.
+    aliases = {
+        alias: parsed[n].port
+        for n in ("gpu-worker", "cpu-worker")
+        for alias in services[n]["networks"]["default"]["aliases"]
+    }
+    cp = parsed["control-plane"]
+    for address in cp.workers.split(","):
+        host, port = host_port(address)
+        assert aliases[host] == port
+    assert re.fullmatch(r"redis://redis:6379/\d+", cp.redis_url)
+    assert parsed["gateway"].control_plane == f"control-plane:{cp.port}"
+    assert parsed["gpu-worker"].device == "cuda" and parsed["cpu-worker"].device == "cpu"
+
+
+def test_compose_gpu_and_cpu_profiles(compose: dict[str, Any]) -> None:
+    gpu, cpu = compose["services"]["gpu-worker"], compose["services"]["cpu-worker"]
+    assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert gpu["shm_size"] and "deploy" not in cpu
+    deps = compose["services"]["control-plane"]["depends_on"]
+    assert deps["gpu-worker"]["required"] is False and deps["cpu-worker"]["required"] is False
+    assert all(d["condition"] == "service_healthy" for d in deps.values())
+
+
+# -- kubernetes -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def manifests() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    files = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == files
+    docs = [d for f in files for d in yaml.safe_load_all((K8S / f).read_text()) if d]
+    assert all({"apiVersion", "kind", "metadata"} <= set(d) for d in docs)
+    return docs
+
+
+def _by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def test_k8s_containers_flags_ports_and_probes(
+    manifests: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config_maps = _by_kind(manifests, "ConfigMap")
+    services = _by_kind(manifests, "Service")
+    workloads = {**_by_kind(manifests, "Deployment"), **_by_kind(manifests, "StatefulSet")}
+    parsed: dict[str, argparse.Namespace] = {}
+    for name, w in workloads.items():
+        pod = w["spec"]["template"]
+        labels = pod["metadata"]["labels"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        for c in pod["spec"]["containers"]:
+            ports = {p["containerPort"] for p in c["ports"]}
+            # A Service selects these pods and forwards to a port the container exposes.
+            assert any(
+                s["spec"]["selector"].items() <= labels.items()
+                and all(p["targetPort"] in ports for p in s["spec"]["ports"])
+                for s in services.values()
+            ), name
+            if not c["image"].startswith("pagedserve"):
+                continue
+            env: dict[str, str] = {}
+            for ref in c.get("envFrom", []):
+                env.update(config_maps[ref["configMapRef"]["name"]]["data"])
+            for var in c.get("env", []):
+                env[var["name"]] = "secret"
+            args = parse(c["args"], env, monkeypatch)
+            parsed[args.command] = args
+            assert args.port in ports
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                spec = c.get(probe)
+                if spec is None:
+                    continue
+                if args.command == "gateway":
+                    target = spec.get("httpGet") or spec["tcpSocket"]
+                    if "path" in target:
+                        assert target["path"] in GATEWAY_ROUTES
+                else:
+                    target = spec["grpc"]  # the standard grpc.health.v1 service
+                assert target["port"] == args.port, f"{name} {probe}"
+            assert "readinessProbe" in c and "livenessProbe" in c
+    assert set(parsed) == {"worker", "control-plane", "gateway"}
+
+    # The control plane lists every StatefulSet pod by its stable name.
+    sts = _by_kind(manifests, "StatefulSet")["pagedserve-worker"]
+    headless = services[sts["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    expected = [
+        f"pagedserve-worker-{i}.{headless['metadata']['name']}:{parsed['worker'].port}"
+        for i in range(sts["spec"]["replicas"])
+    ]
+    assert parsed["control-plane"].workers.split(",") == expected
+    limits = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 1
+    # Addresses name Services on their ports.
+    cp_host, cp_port = host_port(parsed["gateway"].control_plane)
+    assert services[cp_host]["spec"]["ports"][0]["port"] == cp_port == parsed["control-plane"].port
+    redis = re.fullmatch(r"redis://([\w-]+):(\d+)/\d+", parsed["control-plane"].redis_url)
+    assert redis is not None
+    assert services[redis[1]]["spec"]["ports"][0]["port"] == int(redis[2])
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_k8s_kustomize_builds() -> None:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    images = {
+        c["image"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+    assert {"pagedserve:cpu", "pagedserve:cuda"} <= images
