@@ -4,28 +4,42 @@
                     │
                     ▼
     pool (GPU or CPU): refcount per block + free queue (eviction order)
+                       + on the GPU, the prefix cache: block hash <-> block id
 
 The worker owns the physical blocks; this module decides which ids are used, and the plan
-tells the worker what to copy when blocks move between pools. A request's blocks live in one
-pool at a time: a GPU table while it can run, a CPU table while it is swapped out.
+tells the worker what to copy when blocks move between pools or diverge.
 
-Free queue order matters. Allocation pops from the front; freed blocks join the back, a
-request's blocks tail-first, so that once prefix caching keeps freed blocks evictable the
-blocks near the start of a prompt (the most shareable) are evicted last.
+Prefix caching (GPU pool only). Once a running request has computed a full block, the block is
+registered under its chained hash (`block_hash.py`). A request being admitted takes the longest
+run of registered blocks matching its leading full blocks (`find_cached_prefix`) and computes
+only the rest; the hit never covers the last token, so the request has something to sample
+from. Freed blocks keep their hash and stay findable in the free queue until allocation pops
+them (LRU), which evicts the hash. Each registration and eviction is recorded as an event for
+the cluster-wide prefix index (`drain_events`).
 
-Sharing: `fork` lets a child reference all of a parent's blocks (refcount + 1). Swapping a
-request moves only that request: every block in its table gets a fresh block in the other
-pool, including shared ones, whose source block stays with its other holders (refcount - 1).
-Two requests sharing a block that are swapped out one after the other therefore hold two
-separate copies in the CPU pool: correct refcounts, at the price of not preserving sharing
-across a swap. Copy-on-write for a write into a shared last block is not done here yet.
+    free queue:  [ front: next allocated / evicted ......... back: most recently freed ]
+
+A request's blocks are released tail-first, so the blocks near the start of a prompt (the most
+shareable) are evicted last.
+
+Sharing and copy-on-write: `fork` lets a child reference all of a parent's blocks (refcount
++ 1), and hits share cached blocks. Shared blocks are read-only: `reserve_slots`, asked to make
+token slots writable, gives the request a fresh copy of every shared block in the written range
+and returns the copy ops; the last holder (refcount 1) writes in place. In practice the only
+block ever copied is the partially filled last block of a fork, on each child's first write
+into it (the last child to write finds refcount 1 and keeps it). Swapping moves only one
+request: every block in its table gets a fresh block in the other pool, so two requests sharing
+a block that are swapped out hold separate CPU copies.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
+from control_plane.block_hash import BlockHash
+from control_plane.request import Request
 from pagedserve.plan import BlockMove
 
 
@@ -56,29 +70,121 @@ class FreeBlockQueue:
         del self._queue[block_id]
 
 
-class BlockPool:
-    """Refcounts and a free queue for `num_blocks` block ids 0..num_blocks-1."""
+# -- prefix-cache events (for the cluster-wide prefix index) --------------------------------------
 
-    def __init__(self, name: str, num_blocks: int) -> None:
+
+@dataclass(frozen=True)
+class BlockStored:
+    """A block became findable under block_hash; parent_block_hash is its chain predecessor."""
+
+    block_hash: BlockHash
+    parent_block_hash: BlockHash | None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """The block cached under block_hash was evicted."""
+
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Forget every hash this block manager advertised; the events after it restate the cache."""
+
+
+BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """What a registered block holds; token_ids rule out hash collisions on a hit."""
+
+    block_hash: BlockHash
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks a request can start from: its first len(block_ids) blocks, num_tokens
+    tokens. num_query_tokens is the request's length when it was looked up."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    num_query_tokens: int = 0
+
+
+@dataclass
+class SlotReservation:
+    """What `reserve_slots` did: blocks appended to the table, and copy-on-write ops (src, dst)
+    whose dst replaced src in the table."""
+
+    new_block_ids: list[int] = field(default_factory=list)
+    copies: list[BlockMove] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """queries/hits count admitted requests (hits: at least one cached block); the token
+    counts are the requests' lengths and their cached tokens."""
+
+    num_queries: int = 0
+    num_hits: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_cached_blocks: int = 0
+    num_evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of queried tokens served from the cache."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+class BlockPool:
+    """Refcounts and a free queue for `num_blocks` block ids 0..num_blocks-1, and the prefix
+    cache over them: hash -> block and block -> CachedBlock, for free and used blocks alike."""
+
+    def __init__(self, name: str, num_blocks: int, max_pending_events: int = 0) -> None:
         if num_blocks < 0:
             raise ValueError(f"{name} pool: num_blocks must be >= 0, got {num_blocks}")
         self.name = name
         self.num_blocks = num_blocks
         self.refcounts = [0] * num_blocks
         self.free_queue = FreeBlockQueue(range(num_blocks))
+        self.cached: dict[BlockHash, int] = {}
+        self.meta: dict[int, CachedBlock] = {}
+        self.num_evicted = 0
+        # Past this many undrained events, keep none and restate the whole cache on drain.
+        self._max_pending_events = max_pending_events
+        self._events: list[BlockEvent] = []
+        self._events_lost = False
 
     @property
     def num_free(self) -> int:
         return len(self.free_queue)
 
     def allocate(self, n: int) -> list[int] | None:
-        """Pop n blocks from the front of the free queue (refcount 1), or None if too few."""
+        """Pop n blocks from the front of the free queue (refcount 1), evicting their hashes;
+        None, changing nothing, if too few are free."""
         if n > len(self.free_queue):
             return None
         block_ids = [self.free_queue.popleft() for _ in range(n)]
         for b in block_ids:
             self.refcounts[b] = 1
+            if (meta := self.meta.pop(b, None)) is not None:
+                del self.cached[meta.block_hash]
+                self.num_evicted += 1
+                self._emit(BlockRemoved(meta.block_hash))
         return block_ids
+
+    def take(self, block_ids: Iterable[int]) -> None:
+        """One more reference to each block; a free (cached) block leaves the free queue."""
+        for b in block_ids:
+            if self.refcounts[b] == 0:
+                self.free_queue.remove(b)
+            self.refcounts[b] += 1
 
     def incref(self, block_ids: Iterable[int]) -> None:
         for b in block_ids:
@@ -92,6 +198,36 @@ class BlockPool:
             self.refcounts[b] -= 1
             if self.refcounts[b] == 0:
                 self.free_queue.append(b)
+
+    def register(self, block_id: int, meta: CachedBlock) -> None:
+        """Make a used block findable under meta.block_hash. A block already registered keeps
+        its entry; a hash already held by another block stays with that block."""
+        assert self.refcounts[block_id] > 0, f"{self.name} block {block_id} registered while free"
+        if (old := self.meta.get(block_id)) is not None:
+            assert old.block_hash == meta.block_hash, f"block {block_id} changed its hash"
+            return
+        if meta.block_hash in self.cached:
+            return
+        self.cached[meta.block_hash] = block_id
+        self.meta[block_id] = meta
+        self._emit(BlockStored(meta.block_hash, meta.parent_block_hash))
+
+    def _emit(self, event: BlockEvent) -> None:
+        if self._events_lost:
+            return
+        if len(self._events) >= self._max_pending_events:
+            self._events.clear()
+            self._events_lost = True
+            return
+        self._events.append(event)
+
+    def drain_events(self) -> list[BlockEvent]:
+        if self._events_lost:
+            self._events_lost = False
+            restated = [BlockStored(m.block_hash, m.parent_block_hash) for m in self.meta.values()]
+            return [AllBlocksCleared(), *restated]
+        events, self._events = self._events, []
+        return events
 
     def check_integrity(self, tables: Mapping[str, list[int]]) -> None:
         n = self.num_blocks
@@ -116,19 +252,40 @@ class BlockPool:
         assert len(free) + num_used == n, (
             f"{self.name}: {len(free)} free + {num_used} used != {n} blocks"
         )
+        assert len(self.cached) == len(self.meta), f"{self.name}: hash maps differ in size"
+        for h, b in self.cached.items():
+            assert 0 <= b < n, f"{self.name}: hash {h.hex()} maps to unknown block {b}"
+            meta = self.meta.get(b)
+            assert meta is not None and meta.block_hash == h, (
+                f"{self.name} block {b}: hash maps disagree"
+            )
 
 
 class BlockManager:
-    """Block tables, refcounts and free queues for one worker's GPU and CPU (swap) pools."""
+    """Block tables, refcounts and free queues for one worker's GPU and CPU (swap) pools, and
+    the prefix cache over the GPU pool."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        max_pending_events: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.gpu = BlockPool("gpu", num_gpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        if max_pending_events is None:
+            max_pending_events = 2 * num_gpu_blocks + 1024
+        self.gpu = BlockPool("gpu", num_gpu_blocks, max_pending_events)
         self.cpu = BlockPool("cpu", num_cpu_blocks)
         self._gpu_tables: dict[str, list[int]] = {}
         self._cpu_tables: dict[str, list[int]] = {}
+        # request -> how many leading blocks of its GPU table were offered to the prefix cache
+        self._num_offered: dict[str, int] = {}
+        self._stats = Counter[str]()
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -150,12 +307,17 @@ class BlockManager:
 
     @property
     def gpu_usage(self) -> float:
-        """Fraction of GPU blocks in use, in [0, 1]."""
+        """Fraction of GPU blocks in use, in [0, 1]; cached free blocks count as free."""
         return _usage(self.gpu)
 
     @property
     def cpu_usage(self) -> float:
         return _usage(self.cpu)
+
+    @property
+    def num_gpu_block_refs(self) -> int:
+        """GPU blocks summed over all tables: what the used blocks would be without sharing."""
+        return sum(self.gpu.refcounts)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -181,6 +343,61 @@ class BlockManager:
     def free_cpu_block_ids(self) -> list[int]:
         return list(self.cpu.free_queue)
 
+    # -- prefix cache -----------------------------------------------------------------------
+
+    def find_cached_prefix(self, req: Request) -> PrefixHit:
+        """The longest run of cached blocks equal to the request's leading full blocks, capped
+        so that its last token is left to compute. Changes nothing but req.block_hashes."""
+        if not self.enable_prefix_caching:
+            return PrefixHit(num_query_tokens=req.num_tokens)
+        bs = self.block_size
+        req.extend_block_hashes(bs)
+        block_ids: list[int] = []
+        for i, h in enumerate(req.block_hashes[: (req.num_tokens - 1) // bs]):
+            b = self.gpu.cached.get(h)
+            if b is None or self.gpu.meta[b].token_ids != tuple(
+                req.token_ids_slice(i * bs, (i + 1) * bs)
+            ):
+                break  # a miss, or a hash collision
+            block_ids.append(b)
+        return PrefixHit(tuple(block_ids), len(block_ids) * bs, req.num_tokens)
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's computed full GPU blocks not registered yet (call after its
+        num_computed_tokens grew)."""
+        table = self._gpu_tables.get(req.req_id)
+        if not self.enable_prefix_caching or table is None:
+            return
+        bs = self.block_size
+        req.extend_block_hashes(bs)
+        start = self._num_offered.get(req.req_id, 0)
+        end = min(req.num_computed_tokens // bs, len(req.block_hashes), len(table))
+        for i in range(start, end):
+            parent = req.block_hashes[i - 1] if i else None
+            tokens = tuple(req.token_ids_slice(i * bs, (i + 1) * bs))
+            self.gpu.register(table[i], CachedBlock(req.block_hashes[i], parent, tokens))
+        self._num_offered[req.req_id] = max(start, end)
+
+    def drain_events(self) -> list[BlockEvent]:
+        """Prefix-cache events since the last drain, oldest first. If too many piled up, they
+        are replaced by AllBlocksCleared followed by a BlockStored for every cached block."""
+        return self.gpu.drain_events()
+
+    def cached_prefix_hashes(self) -> list[BlockHash]:
+        """Every hash currently findable in the prefix cache (to rebuild an index)."""
+        return list(self.gpu.cached)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        s = self._stats
+        return PrefixCacheStats(
+            num_queries=s["queries"],
+            num_hits=s["hits"],
+            num_query_tokens=s["query_tokens"],
+            num_hit_tokens=s["hit_tokens"],
+            num_cached_blocks=len(self.gpu.cached),
+            num_evicted_blocks=self.gpu.num_evicted,
+        )
+
     # -- allocation -------------------------------------------------------------------------
 
     def num_blocks_to_allocate(self, req_id: str, num_tokens_total: int) -> int:
@@ -189,24 +406,83 @@ class BlockManager:
         held = len(table)
         return max(0, self.num_blocks_for(num_tokens_total) - held)
 
-    def allocate_slots(self, req_id: str, num_tokens_total: int) -> list[int] | None:
+    def allocate_slots(
+        self, req_id: str, num_tokens_total: int, prefix: PrefixHit | None = None
+    ) -> list[int] | None:
         """Grow the request's GPU table to cover `num_tokens_total` token slots.
 
-        Returns the newly appended block ids (possibly none), or None, changing nothing, when
+        With `prefix` (from `find_cached_prefix` just before, for a request holding no blocks),
+        the table starts with the prefix's cached blocks, and the lookup counts as a query.
+        Returns the newly allocated block ids (possibly none), or None, changing nothing, when
         the free queue is too short. Never shrinks a table.
         """
         if num_tokens_total < 0:
             raise ValueError(f"num_tokens_total must be >= 0, got {num_tokens_total}")
         if req_id in self._cpu_tables:
             raise ValueError(f"request {req_id} is swapped out; swap it in first")
-        new_blocks = self.gpu.allocate(self.num_blocks_to_allocate(req_id, num_tokens_total))
-        if new_blocks is None:
+        if prefix is None:
+            new_blocks = self.gpu.allocate(self.num_blocks_to_allocate(req_id, num_tokens_total))
+            if new_blocks is None:
+                return None
+            self._gpu_tables.setdefault(req_id, []).extend(new_blocks)
+            return new_blocks
+        if req_id in self._gpu_tables:
+            raise ValueError(f"request {req_id} already holds blocks; a prefix starts a table")
+        assert num_tokens_total >= prefix.num_tokens, "slots must cover the cached prefix"
+        assert all(b in self.gpu.meta for b in prefix.block_ids), "stale prefix hit"
+        num_new = self.num_blocks_for(num_tokens_total) - len(prefix.block_ids)
+        reclaimed = sum(self.gpu.refcounts[b] == 0 for b in prefix.block_ids)
+        if num_new > self.gpu.num_free - reclaimed:
             return None
-        self._gpu_tables.setdefault(req_id, []).extend(new_blocks)
+        self.gpu.take(prefix.block_ids)
+        new_blocks = self.gpu.allocate(num_new)
+        assert new_blocks is not None
+        self._gpu_tables[req_id] = [*prefix.block_ids, *new_blocks]
+        self._num_offered[req_id] = len(prefix.block_ids)
+        if self.enable_prefix_caching:
+            self._stats.update(
+                queries=1,
+                hits=int(bool(prefix.block_ids)),
+                query_tokens=prefix.num_query_tokens,
+                hit_tokens=prefix.num_tokens,
+            )
         return new_blocks
 
+    def reserve_slots(
+        self, req_id: str, num_computed_tokens: int, num_tokens_total: int
+    ) -> SlotReservation | None:
+        """Make token slots [num_computed_tokens, num_tokens_total) of the request writable:
+        copy-on-write every shared block (refcount > 1) in that range, then grow the table.
+
+        Copies are allocated first, in table order, then the appended blocks. Each copied
+        block's source loses this request's reference and keeps its other holders. None,
+        changing nothing, when the free queue is too short.
+        """
+        if req_id in self._cpu_tables:
+            raise ValueError(f"request {req_id} is swapped out; swap it in first")
+        table = self._gpu_tables.get(req_id, [])
+        bs = self.block_size
+        end = min(self.num_blocks_for(num_tokens_total), len(table))
+        written = range(
+            num_computed_tokens // bs, end if num_tokens_total > num_computed_tokens else 0
+        )
+        shared = [i for i in written if self.gpu.refcounts[table[i]] > 1]
+        num_new = self.num_blocks_to_allocate(req_id, num_tokens_total)
+        if len(shared) + num_new > self.gpu.num_free:
+            return None
+        copies: list[BlockMove] = []
+        for i, dst in zip(shared, self.gpu.allocate(len(shared)) or [], strict=True):
+            self.gpu.refcounts[table[i]] -= 1  # still > 0: another holder remains
+            copies.append(BlockMove(table[i], dst))
+            table[i] = dst
+        new_blocks = self.allocate_slots(req_id, num_tokens_total)
+        assert new_blocks is not None
+        return SlotReservation(new_blocks, copies)
+
     def free(self, req_id: str) -> None:
-        """Release the request's blocks in whichever pool holds them; unknown ids are a no-op."""
+        """Release the request's blocks in whichever pool holds them; unknown ids are a no-op.
+        Cached blocks stay findable until they are reallocated."""
+        self._num_offered.pop(req_id, None)
         if (table := self._gpu_tables.pop(req_id, None)) is not None:
             self.gpu.release(table)
         if (table := self._cpu_tables.pop(req_id, None)) is not None:
@@ -215,8 +491,8 @@ class BlockManager:
     def fork(self, parent_req_id: str, child_req_id: str) -> None:
         """Give the child a table sharing every block of the parent's (refcount + 1).
 
-        The child lives in the parent's pool. The caller must not let either side write into
-        a shared, partially filled block until copy-on-write exists.
+        The child lives in the parent's pool. Shared blocks are read-only: write through
+        `reserve_slots`, which copies a shared block before the first write into it.
         """
         if child_req_id in self._gpu_tables or child_req_id in self._cpu_tables:
             raise ValueError(f"request {child_req_id} already holds blocks")
@@ -228,6 +504,8 @@ class BlockManager:
         table = tables.get(parent_req_id, [])
         pool.incref(table)
         tables[child_req_id] = list(table)
+        if parent_req_id in self._num_offered:
+            self._num_offered[child_req_id] = self._num_offered[parent_req_id]
 
     # -- swapping ---------------------------------------------------------------------------
 
@@ -239,7 +517,10 @@ class BlockManager:
         """
         if req_id in self._cpu_tables:
             raise ValueError(f"request {req_id} is already swapped out")
-        return self._move(req_id, self.gpu, self._gpu_tables, self.cpu, self._cpu_tables)
+        moves = self._move(req_id, self.gpu, self._gpu_tables, self.cpu, self._cpu_tables)
+        if moves is not None:
+            self._num_offered.pop(req_id, None)
+        return moves
 
     def can_swap_in(self, req_id: str, num_tokens_total: int = 0) -> bool:
         """True if the swapped request's blocks, plus the blocks it would need to cover
@@ -253,7 +534,8 @@ class BlockManager:
     def swap_in(self, req_id: str) -> list[BlockMove] | None:
         """Move the request's blocks CPU → GPU; moves are (cpu_block, gpu_block) in table order.
 
-        None, changing nothing, if the GPU pool lacks free blocks.
+        None, changing nothing, if the GPU pool lacks free blocks. The new GPU blocks are
+        offered to the prefix cache again by the next `cache_full_blocks`.
         """
         if req_id not in self._cpu_tables:
             raise ValueError(f"request {req_id} is not swapped out")
@@ -284,6 +566,13 @@ class BlockManager:
         assert not both, f"requests hold blocks in both pools: {sorted(both)}"
         self.gpu.check_integrity(self._gpu_tables)
         self.cpu.check_integrity(self._cpu_tables)
+        assert not self.cpu.cached, "the CPU pool has no prefix cache"
+        assert self.enable_prefix_caching or not self.gpu.cached, "caching is off, blocks cached"
+        for b, meta in self.gpu.meta.items():
+            assert len(meta.token_ids) == self.block_size, f"gpu block {b} caches a partial block"
+        for req_id, n in self._num_offered.items():
+            table = self._gpu_tables.get(req_id)
+            assert table is not None and n <= len(table), f"{req_id}: offered {n} blocks"
 
 
 def _usage(pool: BlockPool) -> float:

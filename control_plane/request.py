@@ -8,14 +8,20 @@ token, which opens a gap of one again.
     all_token_ids:  [ prompt ............ | output ...... ]
                     [ computed ...........|.. scheduled | not yet ]
                     0                 num_computed_tokens      num_tokens
+
+Parallel sampling (sampling.n > 1): the request is a fork parent. It computes its prompt up to
+the last token and never samples; the scheduler then forks it into n children (`make_child`),
+each an ordinary n == 1 request that shares the parent's blocks, computes the last prompt token
+itself and samples with its own seed stream.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from control_plane.block_hash import BlockHash, request_block_hashes
 from pagedserve.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -28,6 +34,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FORKED = "forked"  # a fork parent replaced by its children; not finished, in no queue
 
     @property
     def is_finished(self) -> bool:
@@ -52,6 +59,11 @@ class Request:
     output_token_ids survive preemption: a recomputed request re-prefills prompt + output, so
     no token is lost or sampled twice. stop_reason is the stop token id or stop string that
     ended the request, when one did.
+
+    cache_salt is mixed into every block hash, so only requests with the same salt share cached
+    blocks. parent_id and index are set on a parallel-sampling child. block_hashes holds the
+    chained hashes of the request's full blocks for one block size, extended lazily by
+    `extend_block_hashes` (the caller may preset them, e.g. when it already hashed the prompt).
     """
 
     req_id: str
@@ -63,10 +75,16 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None
+    parent_id: str | None = None
+    index: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.req_id}: the prompt must have at least one token")
+        if self.parent_id is not None and self.sampling.n != 1:
+            raise ValueError(f"request {self.req_id}: a child must have n == 1")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,9 +103,77 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def is_fork_parent(self) -> bool:
+        return self.sampling.n > 1
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Where num_computed_tokens is headed: all tokens, or for a fork parent all but the
+        last prompt token (which each child computes itself, to sample from)."""
+        if self.is_fork_parent:
+            return self.num_prompt_tokens - 1
+        return self.num_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def extend_block_hashes(self, block_size: int) -> None:
+        """Hash every full block (prompt and output tokens) not hashed yet."""
+        start = len(self.block_hashes) * block_size
+        end = self.num_tokens // block_size * block_size
+        if end > start:
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            tokens = self.token_ids_slice(start, end)
+            self.block_hashes += request_block_hashes(tokens, block_size, self.cache_salt, parent)
+
+    def make_child(self, index: int) -> Request:
+        """Parallel-sampling child `index` of this fork parent: same prompt, progress and
+        hashes; n == 1 and its own seed (see `child_seed`)."""
+        assert self.is_fork_parent and not self.output_token_ids, f"{self.req_id}: not a parent"
+        sampling = replace(self.sampling, n=1, seed=child_seed(self.sampling.seed, index))
+        return Request(
+            req_id=child_request_id(self.req_id, index),
+            prompt_token_ids=list(self.prompt_token_ids),
+            sampling=sampling,
+            arrival_time=self.arrival_time,
+            num_computed_tokens=self.num_computed_tokens,
+            status=self.status,
+            cache_salt=self.cache_salt,
+            parent_id=self.req_id,
+            index=index,
+            block_hashes=list(self.block_hashes),
+        )
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The request id of parallel-sampling child `index` of `parent_id`."""
+    return f"{parent_id}#{index}"
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Child `index`'s seed: a fixed mix of the parent's seed and the index, in [0, 2**63), so
+    that children draw independent, reproducible streams. Unseeded stays unseeded."""
+    if seed is None:
+        return None
+    return _splitmix64(_splitmix64(seed) ^ (index + 1)) >> 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)

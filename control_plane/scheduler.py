@@ -4,11 +4,23 @@ Pure bookkeeping over `Request`s and a `BlockManager`: `schedule()` returns a `S
 worker executes it, `update(plan, result)` applies the `StepResult`. One step, in order:
 
     1. running requests, oldest first: each gets min(tokens left, budget left, long-prefill
-       threshold) tokens and the blocks to hold them. Out of blocks → preempt the newest
-       running request (possibly the one being scheduled) by recompute or swap, and retry.
+       threshold) tokens and the blocks to hold them (copy-on-write for shared blocks it
+       writes into). Out of blocks → preempt the newest running request (possibly the one
+       being scheduled) by recompute or swap, and retry.
     2. swapped requests, oldest first, only if step 1 preempted nothing: swap in + schedule.
     3. waiting requests, FIFO, only if nothing was preempted and nothing is left swapped; the
-       first that does not fit ends admission (no overtaking).
+       first that does not fit ends admission (no overtaking). An admitted request starts
+       from its longest cached prefix (num_computed_tokens = the cached tokens).
+
+Parallel sampling (n > 1): the parent computes all but its last prompt token, then `update()`
+(or admission, when nothing is left to compute) forks it into n children sharing its blocks;
+the parent leaves every queue and the worker. The children are RUNNING, new to the worker, and
+sent in full when first scheduled; the first write of each into the shared last block copies
+it (only the last holder writes in place), so the prompt's full blocks are held once.
+
+Copy-on-write and the worker: the worker learns a replaced block only from a full table
+(`NewRequestData`). A copy is only ever needed on a request's first schedule after a fork, so a
+copy for a request the worker already knows is a bug, and `schedule()` asserts against it.
 
 A plan is only valid after the previous one was applied with `update()`.
 """
@@ -20,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from control_plane.block_manager import BlockManager
+from control_plane.block_manager import BlockManager, PrefixCacheStats, SlotReservation
 from control_plane.request import Request, RequestStatus
 from pagedserve.plan import (
     CachedRequestData,
@@ -70,6 +82,10 @@ class RequestOutputDelta:
     logprobs holds the sampled tokens, whose logprob fields are set only when the request
     asked for them. stop_reason is the stop token id when a stop_token_ids entry ended the
     request (None for EOS, length, or not finished).
+
+    For a parallel-sampling child, parent_id is the client's request id and index the child's
+    place in it. all_finished is True on the delta that leaves nothing unfinished for the
+    client's request: the request itself finished, or the last live child of parent_id did.
     """
 
     req_id: str
@@ -78,6 +94,9 @@ class RequestOutputDelta:
     finished: bool = False
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | None = None
+    parent_id: str | None = None
+    index: int = 0
+    all_finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +112,12 @@ class SchedulerStats:
     num_chunked_prefill_steps: int
     num_swapped_out_blocks: int
     num_swapped_in_blocks: int
+    num_computed_tokens: int = 0  # tokens whose K/V the worker computed, all steps together
+    num_forks: int = 0
+    num_copied_blocks: int = 0
+    num_used_gpu_blocks: int = 0
+    num_gpu_block_refs: int = 0  # used blocks as they would be without sharing
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     @property
     def num_preemptions(self) -> int:
@@ -113,15 +138,19 @@ class _Counters:
     chunked_prefill_steps: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    computed_tokens: int = 0
+    forks: int = 0
+    copied_blocks: int = 0
 
 
 class Scheduler:
     """Continuous batching over one worker's block pool.
 
-    Requests the worker knows are exactly the RUNNING ones. Every other request is sent in
-    full (`NewRequestData`) when it starts running; a running request that stops running is
-    listed in finished_req_ids: of the plan that preempts it, or of the next plan when it
-    finishes or is aborted.
+    Requests the worker knows are exactly the RUNNING ones except forked children not yet
+    scheduled (`_unsent`). Every other request is sent in full (`NewRequestData`) when it is
+    next scheduled; a request the worker knows that stops running is listed in
+    finished_req_ids: of the plan that preempts it, or of the next plan when it finishes, is
+    aborted or forks. A fork parent takes n of the max_num_seqs seats, as its children will.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -131,6 +160,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self._requests: dict[str, Request] = {}  # unfinished requests
+        self._unsent: set[str] = set()  # running, but new to the worker
+        self._children: dict[str, list[str]] = {}  # forked parent -> its unfinished children
         self._finished_to_drop: list[str] = []  # the worker's state for these is stale
         self._next_step_id = 0
         self._unapplied_plan: StepPlan | None = None  # scheduled tokens, not yet updated
@@ -140,14 +171,23 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         """Queue a new request (WAITING, nothing computed). It may carry output tokens already
-        generated elsewhere; generation continues after them.
+        generated elsewhere; generation continues after them. A request with n > 1 is forked
+        here later; a parallel-sampling child (parent_id set, n == 1, its own seed) may also be
+        added by itself, and then counts among its parent's children.
 
         Raises InvalidRequestError if it could never finish within max_model_len or the pool.
         """
-        if req.req_id in self._requests:
+        if req.req_id in self._requests or req.req_id in self._children:
             raise ValueError(f"request {req.req_id} is already scheduled")
         if req.status is not RequestStatus.WAITING or req.num_computed_tokens != 0:
             raise ValueError(f"request {req.req_id} must be WAITING with nothing computed")
+        if req.is_fork_parent and req.output_token_ids:
+            raise ValueError(f"request {req.req_id}: n > 1 with output tokens; add the children")
+        if req.sampling.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"request {req.req_id}: n = {req.sampling.n} exceeds max_num_seqs "
+                f"{self.config.max_num_seqs}"
+            )
         max_len = self.config.max_model_len
         if req.num_tokens >= max_len:
             raise InvalidRequestError(
@@ -166,19 +206,32 @@ class Scheduler:
             )
         self._requests[req.req_id] = req
         self.waiting.append(req)
+        if req.parent_id is not None:  # a child added by itself, e.g. moved from another worker
+            self._children.setdefault(req.parent_id, []).append(req.req_id)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
-        """End requests from outside (abort, stop string): blocks are freed at once. Unknown or
-        already finished ids are ignored. May be called between schedule() and update()."""
+        """End requests from outside (abort, stop string): blocks are freed at once. A forked
+        parent's id ends all its unfinished children; a child's id ends that child only.
+        Unknown or already finished ids are ignored. May be called between schedule() and
+        update()."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
-            req = self._requests.get(req_id)
-            if req is not None:
+            for req in self.live_requests(req_id):
                 self._finish(req, status)
 
     def get_request(self, req_id: str) -> Request | None:
+        """The unfinished request with this id (a forked parent is not one: see
+        live_requests)."""
         return self._requests.get(req_id)
+
+    def live_requests(self, req_id: str) -> list[Request]:
+        """The unfinished requests answering for a client's request id: the request itself,
+        or a forked parent's unfinished children in index order; [] when all finished."""
+        req = self._requests.get(req_id)
+        if req is not None:
+            return [req]
+        return [self._requests[c] for c in self._children.get(req_id, ())]
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -204,82 +257,152 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
-        bm = self.block_manager
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             num_new = self._num_new_tokens(req, budget)
-            while (
-                new_blocks := bm.allocate_slots(req.req_id, req.num_computed_tokens + num_new)
-            ) is None:
+            while (slots := self._reserve(req, num_new)) is None:
                 victim = self.running.pop()  # the newest; never one scheduled before req
                 self._preempt(victim, plan)
                 budget.preempted = True
                 if victim is req:
                     return  # req was the last running request
-            plan.cached_requests.append(CachedRequestData(req.req_id, new_blocks))
-            self._take(plan, budget, req, num_new)
+            self._schedule_request(plan, budget, req, num_new, slots)
             i += 1
 
     def _schedule_swapped(self, plan: StepPlan, budget: _StepBudget) -> None:
         bm = self.block_manager
-        while self.swapped and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget.tokens > 0 and self._has_seats_for(self.swapped[0]):
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, budget)
-            num_slots = req.num_computed_tokens + num_new
-            if not bm.can_swap_in(req.req_id, num_slots):
+            if not bm.can_swap_in(req.req_id, req.num_computed_tokens + num_new):
                 return
             moves = bm.swap_in(req.req_id)
-            assert moves is not None and bm.allocate_slots(req.req_id, num_slots) is not None
+            slots = self._reserve(req, num_new)
+            assert moves is not None and slots is not None and not slots.copies
             self.swapped.popleft()
             plan.swap_in.extend(moves)
             self._counters.swapped_in_blocks += len(moves)
-            self._start_running(plan, budget, req, num_new)
+            self._start_running(req)
+            self._schedule_request(plan, budget, req, num_new, slots)
 
     def _schedule_waiting(self, plan: StepPlan, budget: _StepBudget) -> None:
         bm = self.block_manager
-        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget.tokens > 0 and self._has_seats_for(self.waiting[0]):
             req = self.waiting[0]
-            num_new = self._num_new_tokens(req, budget)
-            if bm.allocate_slots(req.req_id, req.num_computed_tokens + num_new) is None:
+            hit = bm.find_cached_prefix(req)
+            num_new = self._cap(req.num_tokens_to_compute - hit.num_tokens, budget)
+            new_blocks = bm.allocate_slots(req.req_id, hit.num_tokens + num_new, prefix=hit)
+            if new_blocks is None:
                 return
             self.waiting.popleft()
-            self._start_running(plan, budget, req, num_new)
+            req.num_computed_tokens = hit.num_tokens
+            self._start_running(req)
+            if num_new == 0:  # a fork parent with only its last prompt token left
+                if not self._schedule_children(plan, budget, self._fork(req)):
+                    return
+                continue
+            self._schedule_request(plan, budget, req, num_new, SlotReservation(new_blocks))
+
+    def _schedule_children(
+        self, plan: StepPlan, budget: _StepBudget, children: list[Request]
+    ) -> bool:
+        """Schedule children forked at admission while blocks and budget allow, preempting
+        nothing; False if one did not fit (it and the rest wait as RUNNING, unsent)."""
+        for child in children:
+            if budget.tokens == 0:
+                return False
+            num_new = self._num_new_tokens(child, budget)
+            slots = self._reserve(child, num_new)
+            if slots is None:
+                return False
+            self._schedule_request(plan, budget, child, num_new, slots)
+        return True
+
+    def _has_seats_for(self, req: Request) -> bool:
+        seats = sum(r.sampling.n for r in self.running)
+        return seats + req.sampling.n <= self.config.max_num_seqs
 
     def _num_new_tokens(self, req: Request, budget: _StepBudget) -> int:
-        left = req.num_tokens - req.num_computed_tokens
+        left = req.num_tokens_to_compute - req.num_computed_tokens
         assert left > 0, f"request {req.req_id} has nothing to compute"
-        num_new = min(left, budget.tokens)
+        return self._cap(left, budget)
+
+    def _cap(self, num_tokens: int, budget: _StepBudget) -> int:
+        num_new = min(num_tokens, budget.tokens)
         if self.config.long_prefill_token_threshold is not None:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return num_new
 
-    def _take(self, plan: StepPlan, budget: _StepBudget, req: Request, num_new: int) -> None:
-        plan.num_scheduled_tokens[req.req_id] = num_new
-        budget.tokens -= num_new
-        budget.chunked |= req.num_computed_tokens + num_new < req.num_tokens
+    def _reserve(self, req: Request, num_new: int) -> SlotReservation | None:
+        start = req.num_computed_tokens
+        return self.block_manager.reserve_slots(req.req_id, start, start + num_new)
 
-    def _start_running(
-        self, plan: StepPlan, budget: _StepBudget, req: Request, num_new: int
-    ) -> None:
+    def _start_running(self, req: Request) -> None:
+        """A waiting or swapped request joins the running ones; the worker does not know it."""
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        plan.new_requests.append(
-            NewRequestData(
-                req_id=req.req_id,
-                prompt_token_ids=list(req.prompt_token_ids),
-                output_token_ids=list(req.output_token_ids),
-                sampling=req.sampling,
-                block_ids=self.block_manager.get_block_ids(req.req_id),
-                num_computed_tokens=req.num_computed_tokens,
+        self._unsent.add(req.req_id)
+
+    def _schedule_request(
+        self,
+        plan: StepPlan,
+        budget: _StepBudget,
+        req: Request,
+        num_new: int,
+        slots: SlotReservation,
+    ) -> None:
+        """Put a running request with its reserved slots into the plan."""
+        plan.copy_blocks.extend(slots.copies)
+        self._counters.copied_blocks += len(slots.copies)
+        if req.req_id in self._unsent:
+            self._unsent.remove(req.req_id)
+            plan.new_requests.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    output_token_ids=list(req.output_token_ids),
+                    sampling=req.sampling,
+                    block_ids=self.block_manager.get_block_ids(req.req_id),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
             )
-        )
-        self._take(plan, budget, req, num_new)
+        else:
+            # The worker only appends to a table it knows; it cannot learn a replaced block.
+            assert not slots.copies, f"{req.req_id}: copy-on-write in a table the worker holds"
+            plan.cached_requests.append(CachedRequestData(req.req_id, slots.new_block_ids))
+        plan.num_scheduled_tokens[req.req_id] = num_new
+        budget.tokens -= num_new
+        budget.chunked |= req.num_computed_tokens + num_new < req.num_tokens_to_compute
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Replace a fork parent, in the running queue, by its n children sharing its blocks."""
+        bm = self.block_manager
+        children = [parent.make_child(i) for i in range(parent.sampling.n)]
+        for child in children:
+            bm.fork(parent.req_id, child.req_id)
+            self._requests[child.req_id] = child
+            self._unsent.add(child.req_id)
+        bm.free(parent.req_id)  # the prompt's blocks are now held once per child
+        i = self.running.index(parent)
+        self.running[i : i + 1] = children
+        if parent.req_id in self._unsent:  # forked at admission
+            self._unsent.remove(parent.req_id)
+        else:
+            self._finished_to_drop.append(parent.req_id)
+        parent.status = RequestStatus.FORKED
+        del self._requests[parent.req_id]
+        self._children[parent.req_id] = [c.req_id for c in children]
+        self._counters.forks += 1
+        return children
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         """Take a running request off the worker; it keeps its output tokens."""
         req.num_preemptions += 1
-        plan.finished_req_ids.append(req.req_id)
+        if req.req_id in self._unsent:
+            self._unsent.remove(req.req_id)
+        else:
+            plan.finished_req_ids.append(req.req_id)
         if self.config.preemption_mode == "swap":
             moves = self.block_manager.swap_out(req.req_id)
             if moves is not None:  # else the CPU pool is full: recompute instead
@@ -328,6 +451,11 @@ class Scheduler:
         outputs: list[RequestOutputDelta] = []
         for req, num_new in live:
             req.num_computed_tokens += num_new
+            self._counters.computed_tokens += num_new
+            self.block_manager.cache_full_blocks(req)
+            if req.is_fork_parent and req.num_computed_tokens == req.num_tokens_to_compute:
+                self._fork(req)
+                continue
             sampled = result.sampled.get(req.req_id)
             if sampled is None:
                 continue
@@ -336,11 +464,14 @@ class Scheduler:
                 req_id=req.req_id,
                 new_token_ids=[sampled.token_id],
                 logprobs=[sampled],
+                parent_id=req.parent_id,
+                index=req.index,
             )
             status = self._check_stop(req)
             if status is not None:
                 self._finish(req, status)
                 delta.finished = True
+                delta.all_finished = not self.live_requests(req.parent_id or req.req_id)
                 delta.finish_reason = "length"
                 if status is RequestStatus.FINISHED_STOPPED:
                     delta.finish_reason = "stop"
@@ -368,7 +499,10 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._finished_to_drop.append(req.req_id)
+            if req.req_id in self._unsent:
+                self._unsent.remove(req.req_id)
+            else:
+                self._finished_to_drop.append(req.req_id)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         else:
@@ -376,6 +510,10 @@ class Scheduler:
         self.block_manager.free(req.req_id)
         req.status = status
         del self._requests[req.req_id]
+        if req.parent_id is not None and (siblings := self._children.get(req.parent_id)):
+            siblings.remove(req.req_id)
+            if not siblings:
+                del self._children[req.parent_id]
 
     # -- state ------------------------------------------------------------------------------
 
@@ -404,6 +542,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         c = self._counters
+        bm = self.block_manager
         return SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -416,6 +555,12 @@ class Scheduler:
             num_chunked_prefill_steps=c.chunked_prefill_steps,
             num_swapped_out_blocks=c.swapped_out_blocks,
             num_swapped_in_blocks=c.swapped_in_blocks,
+            num_computed_tokens=c.computed_tokens,
+            num_forks=c.forks,
+            num_copied_blocks=c.copied_blocks,
+            num_used_gpu_blocks=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
+            num_gpu_block_refs=bm.num_gpu_block_refs,
+            prefix_cache=bm.prefix_cache_stats(),
         )
 
     def check_integrity(self) -> None:
@@ -438,7 +583,16 @@ class Scheduler:
                     self._unapplied_plan is not None
                 ), f"{req.req_id}: computed {req.num_computed_tokens} of {req.num_tokens}"
         assert seen == set(self._requests), "tracked requests missing from every queue"
-        assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
+        seats = sum(r.sampling.n for r in self.running)
+        assert seats <= self.config.max_num_seqs, f"{seats} seats > max_num_seqs"
+        assert self._unsent <= {r.req_id for r in self.running}, "unsent requests not running"
+        for parent_id, child_ids in self._children.items():
+            assert child_ids and parent_id not in self._requests, f"{parent_id}: stale fork"
+            for c in child_ids:
+                assert self._requests[c].parent_id == parent_id, f"{c}: not a child of {parent_id}"
+        for req in self._requests.values():
+            if req.parent_id is not None:
+                assert req.req_id in self._children.get(req.parent_id, ()), f"{req.req_id}: orphan"
         for req in self.running:
             assert not bm.is_swapped(req.req_id), f"running {req.req_id} holds CPU blocks"
             covered = len(bm.get_block_ids(req.req_id)) * bs

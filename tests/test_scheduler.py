@@ -1,10 +1,12 @@
 """The scheduler against a simulated worker: exact plans, preemption, swap, token accounting.
 
 `FakeWorker` plays the worker's side of the plan contract over a simulated KV pool in which
-every slot holds (request id, position, token id). It reads a request's whole context through
-its block table before sampling, so a lost, stale or misplaced block changes the sampled token
-or fails an assertion. Tokens are a function of the context alone, so every request's output
-must equal `reference_output` whatever the batching, chunking or preemption.
+every slot holds (position, token id, digest of the tokens up to it), as a real K/V depends on
+the whole prefix. It reads a request's whole context through its block table before sampling,
+so a lost, stale or misplaced block changes the sampled token or fails an assertion, and it
+refuses a write into a block another request it knows holds (a missed copy-on-write). Tokens
+are a function of the context and the seed alone, so every request's output must equal
+`reference_output` whatever the batching, chunking, preemption or prefix caching.
 """
 
 from __future__ import annotations
@@ -19,26 +21,35 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from control_plane.block_manager import BlockManager
-from control_plane.request import Request, RequestStatus
+from control_plane.request import Request, RequestStatus, child_seed
 from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConfig
 from pagedserve.plan import BlockMove, SampledToken, StepPlan, StepResult
 from pagedserve.sampling_params import InvalidRequestError, SamplingParams
 
-KV = tuple[str, int, int]  # (req_id, position, token id) as written into a slot
+KV = tuple[int, int, int]  # (position, token id, prefix digest) as written into a slot
 SampleFn = Callable[[str, list[int]], int]
+_P = 2**61 - 1
 
 
-def next_token(context: Sequence[int]) -> int:
-    h = 17
-    for pos, tok in enumerate(context):
-        h = (h * 1_000_003 + tok * 31 + pos) % (2**61 - 1)
+def _digests(tokens: Sequence[int]) -> list[int]:
+    out, h = [], 17
+    for pos, tok in enumerate(tokens):
+        h = (h * 1_000_003 + tok * 31 + pos) % _P
+        out.append(h)
+    return out
+
+
+def next_token(context: Sequence[int], seed: int | None = None) -> int:
+    h = _digests(context)[-1] if context else 17
+    if seed is not None:
+        h = (h * 7919 + seed) % _P
     return 10 + h % 1000
 
 
-def reference_output(prompt: Sequence[int], max_tokens: int) -> list[int]:
+def reference_output(prompt: Sequence[int], max_tokens: int, seed: int | None = None) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
+        tokens.append(next_token(tokens, seed))
     return tokens[len(prompt) :]
 
 
@@ -47,6 +58,7 @@ class _WorkerRequest:
     tokens: list[int]
     block_ids: list[int]
     num_computed: int
+    seed: int | None
 
 
 class FakeWorker:
@@ -61,7 +73,11 @@ class FakeWorker:
         self.gpu: list[list[KV | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[KV | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.reqs: dict[str, _WorkerRequest] = {}
-        self.sample: SampleFn = sample or (lambda req_id, context: next_token(context))
+        self.sample: SampleFn = sample or self._sample_by_seed
+        self.num_copies = 0
+
+    def _sample_by_seed(self, req_id: str, context: list[int]) -> int:
+        return next_token(context, self.reqs[req_id].seed)
 
     def execute(self, plan: StepPlan) -> StepResult:
         for req_id in plan.finished_req_ids:
@@ -70,16 +86,23 @@ class FakeWorker:
             self.cpu[m.dst] = list(self.gpu[m.src])
         for m in plan.swap_in:
             self.gpu[m.dst] = list(self.cpu[m.src])
+        for m in plan.copy_blocks:
+            self.gpu[m.dst] = list(self.gpu[m.src])
+            self.num_copies += 1
         for new in plan.new_requests:
             assert new.req_id not in self.reqs, f"{new.req_id} registered twice"
             tokens = new.prompt_token_ids + new.output_token_ids
-            self.reqs[new.req_id] = _WorkerRequest(tokens, list(new.block_ids), 0)
+            seed = new.sampling.seed
+            self.reqs[new.req_id] = _WorkerRequest(tokens, list(new.block_ids), 0, seed)
             self._read(new.req_id, new.num_computed_tokens)  # resumed KV must be intact
             self.reqs[new.req_id].num_computed = new.num_computed_tokens
         for cached in plan.cached_requests:
             self.reqs[cached.req_id].block_ids += cached.new_block_ids
-        tables = [b for r in self.reqs.values() for b in r.block_ids]
-        assert len(tables) == len(set(tables)), "two requests share a block"
+        holders: dict[int, set[str]] = defaultdict(set)
+        for req_id, r in self.reqs.items():
+            assert len(set(r.block_ids)) == len(r.block_ids), f"{req_id} holds a block twice"
+            for b in r.block_ids:
+                holders[b].add(req_id)
         named = {r.req_id for r in plan.new_requests} | {r.req_id for r in plan.cached_requests}
         assert named == set(plan.num_scheduled_tokens)
 
@@ -89,8 +112,11 @@ class FakeWorker:
             r = self.reqs[req_id]
             self._read(req_id, r.num_computed)
             assert r.num_computed + n <= len(r.tokens)
+            digests = _digests(r.tokens[: r.num_computed + n])
             for pos in range(r.num_computed, r.num_computed + n):
-                self.gpu[r.block_ids[pos // bs]][pos % bs] = (req_id, pos, r.tokens[pos])
+                block = r.block_ids[pos // bs]
+                assert holders[block] == {req_id}, f"{req_id} writes into shared block {block}"
+                self.gpu[block][pos % bs] = (pos, r.tokens[pos], digests[pos])
             r.num_computed += n
             if r.num_computed == len(r.tokens):
                 token = self.sample(req_id, self._read(req_id, r.num_computed))
@@ -101,11 +127,12 @@ class FakeWorker:
     def _read(self, req_id: str, num_tokens: int) -> list[int]:
         r = self.reqs[req_id]
         bs = self.block_size
+        digests = _digests(r.tokens[:num_tokens])
         context = []
         for pos in range(num_tokens):
             kv = self.gpu[r.block_ids[pos // bs]][pos % bs]
-            assert kv == (req_id, pos, r.tokens[pos]), f"{req_id}: bad KV at {pos}: {kv}"
-            context.append(kv[2])
+            assert kv == (pos, r.tokens[pos], digests[pos]), f"{req_id}: bad KV at {pos}: {kv}"
+            context.append(kv[1])
         return context
 
 
@@ -114,10 +141,13 @@ def make(
     num_cpu_blocks: int = 0,
     block_size: int = 4,
     sample: SampleFn | None = None,
+    prefix_caching: bool = False,
     **config: object,
 ) -> tuple[Scheduler, FakeWorker]:
+    """A scheduler and its worker; prefix caching is off unless asked for, so that the exact
+    block ids of the tests below show plain allocation."""
     cfg = SchedulerConfig(**{"max_model_len": 1024, **config})  # type: ignore[arg-type]
-    bm = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size)
+    bm = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size, prefix_caching)
     return Scheduler(cfg, bm), FakeWorker(num_gpu_blocks, num_cpu_blocks, block_size, sample)
 
 
@@ -394,12 +424,14 @@ def test_swap_victims_resume_oldest_first_and_block_admission() -> None:
 WORKLOAD = [("r0", 7, 12), ("r1", 3, 20), ("r2", 16, 5), ("r3", 1, 15), ("r4", 9, 9), ("r5", 5, 1)]
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize(
     ("num_gpu_blocks", "block_size", "budget", "threshold", "max_num_seqs"),
     [(100, 4, 512, None, 64), (10, 4, 16, None, 64), (7, 4, 8, 3, 3), (13, 2, 6, 4, 4)],
 )
 def test_outputs_match_an_unconstrained_run(
+    prefix_caching: bool,
     mode: str,
     num_gpu_blocks: int,
     block_size: int,
@@ -411,6 +443,7 @@ def test_outputs_match_an_unconstrained_run(
         num_gpu_blocks,
         num_cpu_blocks=6,
         block_size=block_size,
+        prefix_caching=prefix_caching,
         preemption_mode=mode,
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold,
@@ -606,17 +639,21 @@ def test_stats_snapshot() -> None:
 # -- random workloads ---------------------------------------------------------------------------
 
 
+SHARED_PREFIX = [900 + i for i in range(10)]
+
+
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals, steps and aborts; integrity after every rule, and every request that
-    finishes by length carries exactly the reference tokens."""
+    """Random arrivals (some sharing a prompt prefix, some with n > 1), steps and aborts;
+    integrity after every rule, and every request or child that finishes by length carries
+    exactly the reference tokens for its seed."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sched, self.worker = make(4)
         self.next_id = 0
         self.streamed: dict[str, list[int]] = defaultdict(list)
-        self.asked: dict[str, tuple[list[int], int]] = {}
-        self.live: set[str] = set()
+        self.asked: dict[str, tuple[list[int], int, int | None]] = {}
+        self.live: set[str] = set()  # client request ids (a parent for n > 1)
 
     @initialize(
         mode=st.sampled_from(["recompute", "swap"]),
@@ -626,6 +663,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(1, 24),
         threshold=st.none() | st.integers(1, 8),
         max_num_seqs=st.integers(1, 5),
+        prefix_caching=st.booleans(),
     )
     def setup(
         self,
@@ -636,29 +674,44 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget: int,
         threshold: int | None,
         max_num_seqs: int,
+        prefix_caching: bool,
     ) -> None:
         self.sched, self.worker = make(
             num_gpu_blocks,
             num_cpu_blocks,
             block_size,
+            prefix_caching=prefix_caching,
             preemption_mode=mode,
             max_num_batched_tokens=budget,
             long_prefill_token_threshold=threshold,
             max_num_seqs=max_num_seqs,
         )
 
-    @rule(prompt_len=st.integers(1, 12), max_tokens=st.integers(1, 10))
-    def add(self, prompt_len: int, max_tokens: int) -> None:
+    @rule(
+        prompt_len=st.integers(1, 12),
+        max_tokens=st.integers(1, 10),
+        shared=st.integers(0, 10),
+        n=st.sampled_from([1, 1, 2, 3]),
+        seed=st.none() | st.integers(0, 3),
+    )
+    def add(self, prompt_len: int, max_tokens: int, shared: int, n: int, seed: int | None) -> None:
         self.next_id += 1
-        req = request(f"q{self.next_id}", prompt_len, max_tokens)
-        self.asked[req.req_id] = (req.prompt_token_ids, max_tokens)
+        req_id = f"q{self.next_id}"
+        prompt = (SHARED_PREFIX[:shared] + [self.next_id * 20 + i for i in range(prompt_len)])[
+            :prompt_len
+        ]
+        req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, n=n, seed=seed))
+        self.asked[req_id] = (prompt, max_tokens, seed)
         try:
             self.sched.add_request(req)
         except InvalidRequestError:
             bm = self.sched.block_manager
-            assert bm.num_blocks_for(prompt_len + max_tokens - 1) > bm.num_gpu_blocks
+            assert (
+                bm.num_blocks_for(prompt_len + max_tokens - 1) > bm.num_gpu_blocks
+                or n > self.sched.config.max_num_seqs
+            )
         else:
-            self.live.add(req.req_id)
+            self.live.add(req_id)
 
     @rule()
     def step(self) -> None:
@@ -666,23 +719,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.check_integrity()
         for d in self.sched.update(plan, self.worker.execute(plan)):
             self.streamed[d.req_id] += d.new_token_ids
+            client = d.parent_id or d.req_id
             if d.finished:
-                self.live.remove(d.req_id)
-                prompt, max_tokens = self.asked[d.req_id]
-                assert self.streamed[d.req_id] == reference_output(prompt, max_tokens)
+                prompt, max_tokens, seed = self.asked[client]
+                seed = child_seed(seed, d.index) if d.parent_id else seed
+                assert self.streamed[d.req_id] == reference_output(prompt, max_tokens, seed)
+            if d.all_finished:
+                self.live.remove(client)
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         req_id = data.draw(st.sampled_from(sorted(self.live)))
+        children = [r.req_id for r in self.sched.live_requests(req_id)]
+        if data.draw(st.booleans()) and len(children) > 1:  # abort one child only
+            self.sched.finish_requests(children[0], RequestStatus.FINISHED_ABORTED)
+            assert [r.req_id for r in self.sched.live_requests(req_id)] == children[1:]
+            return
         self.live.remove(req_id)
         self.sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
-        assert self.sched.get_request(req_id) is None
-        assert req_id not in self.sched.block_manager.request_ids()
+        assert self.sched.live_requests(req_id) == []
+        assert not set(children) & self.sched.block_manager.request_ids()
 
     @invariant()
     def live_requests_are_tracked(self) -> None:
-        assert all(self.sched.get_request(r) is not None for r in self.live)
+        assert all(self.sched.live_requests(r) for r in self.live)
         assert self.sched.has_unfinished_requests() == bool(self.live)
 
     @invariant()
@@ -697,6 +758,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.worker.execute(self.sched.schedule())
         assert self.worker.reqs == {} and not self.sched.has_unfinished_requests()
         self.sched.check_integrity()
+        bm = self.sched.block_manager
+        assert bm.num_free_gpu_blocks == bm.num_gpu_blocks
 
 
 SchedulerMachine.TestCase.settings = settings(
