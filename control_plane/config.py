@@ -23,6 +23,7 @@ class ControlPlaneConfig:
     tokenizer: str | None = None  # defaults to the model path the worker reports
     served_model_name: str | None = None
     worker_connect_timeout_s: float = 300.0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not self.workers:

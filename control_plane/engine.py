@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from control_plane.block_manager import BlockManager
+from control_plane.block_manager import (
+    AllBlocksCleared,
+    BlockEvent,
+    BlockManager,
+    BlockRemoved,
+    BlockStored,
+)
 from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.request import Request, RequestStatus
 from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConfig
@@ -32,18 +39,34 @@ class OutputChunk:
     text: str
     logprobs: list[SampledToken]
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # of this completion (index), so far
     finish_reason: str | None = None
     stop_reason: str | None = None
+    index: int = 0  # which of the request's n completions
+    last: bool = False  # nothing follows for this client request
 
 
 @dataclass
 class RequestStream:
+    """One client request: n completions, each with its own detokenizer and counters."""
+
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizers: list[IncrementalDetokenizer]
+    num_output_tokens: list[int]
     queue: asyncio.Queue[OutputChunk | BaseException] = field(default_factory=asyncio.Queue)
     finished: bool = False
     first_token_time: float | None = None
+
+
+@dataclass
+class CacheEvents:
+    """Prefix-cache changes of one worker since the last drain, folded per block hash.
+
+    replace: the worker's whole cache is restated by `stored` (drop everything else first)."""
+
+    stored: list[bytes]
+    removed: list[bytes]
+    replace: bool = False
 
 
 @dataclass
@@ -51,7 +74,7 @@ class EngineCounters:
     num_steps: int = 0
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
-    num_prompt_tokens_computed: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens whose K/V the worker computed
     num_generated_tokens: int = 0
 
 
@@ -62,8 +85,10 @@ class EngineLoop:
         info: worker_pb2.WorkerInfo,
         scheduler_config: SchedulerConfig,
         tokenizer: LoadedTokenizer,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.client = client
+        self.enable_prefix_caching = enable_prefix_caching
         self.info = info
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
@@ -74,6 +99,8 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._step_id = 0
         self._task: asyncio.Task[None] | None = None
+        self._cache_events: list[BlockEvent] = []
+        self.on_step: Callable[[], None] = lambda: None
 
     def _new_scheduler(self) -> Scheduler:
         bm = BlockManager(self.info.num_gpu_blocks, self.info.num_cpu_blocks, self.info.block_size)
@@ -82,10 +109,14 @@ class EngineLoop:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> RequestStream:
-        detok = IncrementalDetokenizer(
-            self.tokenizer.tokenizer, request.prompt_token_ids, request.sampling.stop
-        )
-        stream = RequestStream(request, detok)
+        n = request.sampling.n
+        detoks = [
+            IncrementalDetokenizer(
+                self.tokenizer.tokenizer, request.prompt_token_ids, request.sampling.stop
+            )
+            for _ in range(n)
+        ]
+        stream = RequestStream(request, detoks, [0] * n)
         self.streams[request.req_id] = stream
         self.scheduler.add_request(request)
         self._wakeup.set()
@@ -102,7 +133,15 @@ class EngineLoop:
             stream.finished = True
             r = stream.request
             stream.queue.put_nowait(
-                OutputChunk([], "", [], r.num_prompt_tokens, r.num_output_tokens, "abort")
+                OutputChunk(
+                    [],
+                    "",
+                    [],
+                    r.num_prompt_tokens,
+                    sum(stream.num_output_tokens),
+                    "abort",
+                    last=True,
+                )
             )
         self._wakeup.set()
         return True
@@ -110,7 +149,31 @@ class EngineLoop:
     @property
     def load(self) -> int:
         """Tokens queued or running: the placement weight of this worker."""
-        return sum(s.request.num_tokens for s in self.streams.values())
+        return sum(
+            s.request.num_prompt_tokens + sum(s.num_output_tokens) for s in self.streams.values()
+        )
+
+    # -- prefix-cache events, for the cluster's prefix index ------------------------------------
+
+    def drain_cache_events(self) -> CacheEvents:
+        """Folds the block manager's events in order: the last word on each hash wins."""
+        events, self._cache_events = self._cache_events, []
+        state: dict[bytes, bool] = {}
+        replace = False
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared):
+                state.clear()
+                replace = True
+            elif isinstance(ev, BlockStored):
+                state[ev.block_hash] = True
+            elif isinstance(ev, BlockRemoved):
+                state[ev.block_hash] = False
+        stored = [h for h, present in state.items() if present]
+        removed = [h for h, present in state.items() if not present]
+        return CacheEvents(stored, [] if replace else removed, replace)
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.scheduler.block_manager.cached_prefix_hashes()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -150,47 +213,61 @@ class EngineLoop:
             return
         self._step_id += 1
         plan.step_id = self._step_id
+        self._count_prompt_tokens(plan.num_scheduled_tokens)
         result = await self.client.step(plan)
         self.counters.num_steps += 1
         deltas = self.scheduler.update(plan, result)
+        self._cache_events += self.scheduler.block_manager.drain_events()
         self._publish(deltas)
+        self.on_step()
+
+    def _count_prompt_tokens(self, scheduled: dict[str, int]) -> None:
+        for req_id, n in scheduled.items():
+            req = self.scheduler.get_request(req_id)
+            if req is not None:
+                start = req.num_computed_tokens
+                self.counters.num_prompt_tokens_computed += max(
+                    0, min(start + n, req.num_prompt_tokens) - start
+                )
 
     def _publish(self, deltas: list[RequestOutputDelta]) -> None:
         now = time.monotonic()
-        stopped: list[str] = []
         for d in deltas:
-            stream = self.streams.get(d.req_id)
+            client_id = d.parent_id or d.req_id
+            stream = self.streams.get(client_id)
             if stream is None or stream.finished:
                 continue
             r = stream.request
             self.counters.num_generated_tokens += len(d.new_token_ids)
             if stream.first_token_time is None:
                 stream.first_token_time = now
-                self.counters.num_prompt_tokens_computed += r.num_prompt_tokens
-            text = stream.detokenizer.add(d.new_token_ids, d.finished)
-            finish_reason = d.finish_reason
-            stop_reason: str | None = None if d.stop_reason is None else str(d.stop_reason)
-            if text.stop_string is not None and not d.finished:
+            stream.num_output_tokens[d.index] += len(d.new_token_ids)
+            text = stream.detokenizers[d.index].add(d.new_token_ids, d.finished)
+            finish_reason: str | None = d.finish_reason
+            stop_reason = None if d.stop_reason is None else str(d.stop_reason)
+            all_finished = d.all_finished
+            if text.stop_string is not None:
                 finish_reason, stop_reason = "stop", text.stop_string
-                stopped.append(d.req_id)
-            elif text.stop_string is not None:
-                finish_reason, stop_reason = "stop", text.stop_string
+                if not d.finished:
+                    # A stop string ends this completion only; its siblings go on.
+                    self.scheduler.finish_requests([d.req_id], RequestStatus.FINISHED_STOPPED)
+                    all_finished = not self.scheduler.live_requests(client_id)
             chunk = OutputChunk(
                 token_ids=d.new_token_ids,
                 text=text.text,
                 logprobs=d.logprobs,
                 num_prompt_tokens=r.num_prompt_tokens,
-                num_output_tokens=r.num_output_tokens,
+                num_output_tokens=stream.num_output_tokens[d.index],
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
+                index=d.index,
+                last=all_finished,
             )
-            if finish_reason is not None:
+            if all_finished:
                 stream.finished = True
-                self.streams.pop(d.req_id, None)
+                self.streams.pop(client_id, None)
                 self.counters.num_requests_finished += 1
             stream.queue.put_nowait(chunk)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
 
     def _fail_all(self, exc: WorkerError) -> None:
         """The worker stream broke: fail what ran on it and start over with a clean state."""
@@ -201,3 +278,6 @@ class EngineLoop:
             stream.queue.put_nowait(exc)
         self.streams.clear()
         self.scheduler = self._new_scheduler()
+        # The new block manager's cache is empty: restate it (as nothing) to the index.
+        self._cache_events = [AllBlocksCleared()]
+        self.on_step()

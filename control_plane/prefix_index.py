@@ -54,6 +54,10 @@ class PrefixIndexUnavailable(RuntimeError):
     """The index could not answer; placement falls back to load alone."""
 
 
+class PrefixIndexTimeout(PrefixIndexUnavailable):
+    """One lookup missed its deadline; the index itself is presumed fine."""
+
+
 class PrefixIndex(ABC):
     """Contract: `lookup` returns, per worker, how many leading blocks of `block_hashes` that
     worker holds (at its current epoch); `update` records blocks stored on / removed from a
@@ -147,7 +151,9 @@ class RedisPrefixIndex(PrefixIndex):
                 self._lookup(keys=[self._key(h) for h in block_hashes], args=argv),
                 self._timeout_s,
             )
-        except (TimeoutError, RedisError, OSError) as exc:
+        except TimeoutError as exc:
+            raise PrefixIndexTimeout(f"lookup took over {self._timeout_s * 1000:.0f} ms") from exc
+        except (RedisError, OSError) as exc:
             raise PrefixIndexUnavailable(str(exc)) from exc
         return {w.worker_id: int(n) for w, n in zip(workers, counts, strict=True)}
 

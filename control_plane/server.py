@@ -18,7 +18,9 @@ from grpc_reflection.v1alpha import reflection
 from control_plane.chat import render_chat
 from control_plane.config import ControlPlaneConfig
 from control_plane.engine import EngineLoop, OutputChunk
+from control_plane.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
 from control_plane.request import Request
+from control_plane.router import Router
 from control_plane.scheduler import SchedulerConfig
 from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
 from control_plane.worker_client import WorkerClient, WorkerError
@@ -57,6 +59,7 @@ class ControlPlane:
         self.tokenizer: LoadedTokenizer | None = None
         self.model_name = ""
         self.info: worker_pb2.WorkerInfo | None = None
+        self.router: Router | None = None
 
     async def connect(self) -> None:
         infos: list[tuple[WorkerClient, worker_pb2.WorkerInfo]] = []
@@ -87,17 +90,31 @@ class ControlPlane:
                 eos_token_ids=tuple(info.eos_token_ids),
                 long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             )
-            loop = EngineLoop(client, info, sched_cfg, self.tokenizer)
+            loop = EngineLoop(
+                client, info, sched_cfg, self.tokenizer, self.config.enable_prefix_caching
+            )
             loop.start()
             self.loops.append(loop)
+        index: PrefixIndex = (
+            RedisPrefixIndex(self.config.redis_url, self.model_name)
+            if self.config.redis_url
+            else MemoryPrefixIndex()
+        )
+        self.router = Router(self.loops, index, first.block_size)
+        await self.router.start()
 
     async def close(self) -> None:
+        if self.router is not None:
+            await self.router.close()
         for loop in self.loops:
             await loop.stop()
 
     # -- admission ----------------------------------------------------------------------------
 
-    def admit(self, req_id: str, prompt_ids: list[int], sampling: SamplingParams) -> EngineLoop:
+    async def admit(
+        self, req_id: str, prompt_ids: list[int], sampling: SamplingParams, cache_salt: str | None
+    ) -> EngineLoop:
+        """Rejects what can never be served, then places the request on a worker."""
         info = self.info
         assert info is not None
         n = len(prompt_ids)
@@ -129,10 +146,18 @@ class ControlPlane:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the waiting queue is full ({waiting} requests); retry later",
             )
-        return min(self.loops, key=lambda loop: loop.load)
+        assert self.router is not None
+        return await self.router.place(prompt_ids, cache_salt)
 
     def abort(self, req_id: str) -> bool:
         return any(loop.abort(req_id) for loop in self.loops)
+
+    def room_after(self, num_prompt_tokens: int) -> int:
+        """Most tokens a prompt of this length may generate (context and KV pool permitting)."""
+        info = self.info
+        assert info is not None
+        pool = info.num_gpu_blocks * info.block_size
+        return max(1, min(info.max_model_len, pool) - num_prompt_tokens)
 
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
@@ -151,10 +176,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 raise AdmissionError(
                     grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here"
                 )
-            sampling = wire.sampling_from_proto(request.sampling)
             prompt_ids = await self._prompt_ids(request)
-            loop = cp.admit(req_id, prompt_ids, sampling)
-            stream = loop.add_request(Request(req_id, prompt_ids, sampling, time.monotonic()))
+            default_max_tokens = None
+            if request.WhichOneof("prompt") == "chat":
+                # A chat turn left unbounded may use the rest of the context, as in OpenAI's API.
+                default_max_tokens = cp.room_after(len(prompt_ids))
+            sampling = wire.sampling_from_proto(request.sampling, default_max_tokens)
+            salt = request.cache_salt or None
+            loop = await cp.admit(req_id, prompt_ids, sampling, salt)
+            stream = loop.add_request(
+                Request(req_id, prompt_ids, sampling, time.monotonic(), cache_salt=salt)
+            )
             rlog.info(
                 "request_admitted",
                 prompt_tokens=len(prompt_ids),
@@ -174,7 +206,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                     await context.abort(code, message)
                     return
                 yield _chunk_to_proto(req_id, item, cp.tokenizer)
-                if item.finish_reason is not None:
+                if item.last:
                     rlog.info(
                         "request_finished",
                         finish_reason=item.finish_reason,
@@ -235,6 +267,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
 
 def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
+    router = cp.router
     workers = []
     for loop in cp.loops:
         s = loop.scheduler.stats()
@@ -261,6 +294,14 @@ def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
                 epoch=loop.info.epoch,
                 num_blocks_swapped_out=s.num_swapped_out_blocks,
                 num_blocks_swapped_in=s.num_swapped_in_blocks,
+                prefix_cache_queries=s.prefix_cache.num_queries,
+                prefix_cache_hits=s.prefix_cache.num_hits,
+                prefix_cache_query_tokens=s.prefix_cache.num_query_tokens,
+                prefix_cache_hit_tokens=s.prefix_cache.num_hit_tokens,
+                num_cached_blocks=s.prefix_cache.num_cached_blocks,
+                num_gpu_block_refs=s.num_gpu_block_refs,
+                num_forks=s.num_forks,
+                num_copied_blocks=s.num_copied_blocks,
             )
         )
     total_blocks = sum(w.num_gpu_blocks for w in workers) or 1
@@ -275,6 +316,13 @@ def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
         num_requests_aborted=sum(loop.counters.num_requests_aborted for loop in cp.loops),
         num_chunked_prefill_steps=sum(w.num_chunked_prefill_steps for w in workers),
         workers=workers,
+        prefix_cache_queries=sum(w.prefix_cache_queries for w in workers),
+        prefix_cache_hits=sum(w.prefix_cache_hits for w in workers),
+        prefix_cache_query_tokens=sum(w.prefix_cache_query_tokens for w in workers),
+        prefix_cache_hit_tokens=sum(w.prefix_cache_hit_tokens for w in workers),
+        prefix_index_available=router is not None and router.available,
+        num_routed=router.counters.num_routed if router else 0,
+        num_routed_with_prefix_hit=router.counters.num_routed_with_prefix_hit if router else 0,
     )
 
 
@@ -289,6 +337,7 @@ def _chunk_to_proto(
         prompt_tokens=chunk.num_prompt_tokens,
         completion_tokens=chunk.num_output_tokens,
         stop_reason=chunk.stop_reason or "",
+        index=chunk.index,
     )
     for sampled in chunk.logprobs:
         lp = wire.logprobs_to_proto(sampled)

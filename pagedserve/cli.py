@@ -101,6 +101,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
         max_waiting=a.max_waiting,
         tokenizer=a.tokenizer,
         served_model_name=a.served_model_name,
+        enable_prefix_caching=not a.no_prefix_caching,
     )
     try:
         asyncio.run(serve(cfg))
@@ -203,6 +204,7 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
     )
     _flag(p, "--redis-url", default=None, help="Redis for the prefix-hash index")
+    _flag(p, "--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks")
 
 
 def _gateway_flags(p: argparse.ArgumentParser) -> None:
@@ -318,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="show the control plane's counters")
     _client_flags(st)
     st.set_defaults(func=cmd_stats)
+    __import__("pagedserve.bench.cli", fromlist=["*"]).register_bench(sub)
     return parser
 
 

@@ -155,7 +155,9 @@ def _passthrough(a: argparse.Namespace, names: list[str]) -> list[str]:
     argv: list[str] = []
     for name in names:
         value = getattr(a, name.replace("-", "_"))
-        if value is not None:
+        if value is True:
+            argv.append(f"--{name}")
+        elif value is not None and value is not False:
             argv += [f"--{name}", str(value)]
     return argv
 
@@ -179,6 +181,7 @@ SCHEDULER_FLAGS = [
     "preemption",
     "max-waiting",
     "served-model-name",
+    "no-prefix-caching",
 ]
 GATEWAY_FLAGS = ["max-request-bytes", "graceful-shutdown-timeout"]
 

@@ -37,6 +37,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.n != 1:
+        msg.n = p.n
     return msg
 
 
@@ -55,6 +57,7 @@ def sampling_from_proto(
         "frequency_penalty",
         "seed",
         "logprobs",
+        "n",
     ):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)

@@ -61,4 +61,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        os.unlink(self.log.name)
+        if os.environ.get("PAGEDSERVE_KEEP_TEST_LOGS"):
+            print(f"{self.name} log: {self.log.name}")
+        else:
+            os.unlink(self.log.name)

@@ -36,7 +36,7 @@ def kv_bytes_for_blocks(model_dir: Path, num_blocks: int, dtype: str, block_size
 @dataclass
 class Stack:
     address: str
-    worker: ServerProcess
+    workers: list[ServerProcess]
     control_plane: ServerProcess
     channel: grpc.Channel = field(init=False)
     stub: pb_grpc.ControlPlaneStub = field(init=False)
@@ -44,6 +44,10 @@ class Stack:
     def __post_init__(self) -> None:
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.ControlPlaneStub(self.channel)
+
+    @property
+    def worker(self) -> ServerProcess:
+        return self.workers[0]
 
     def stats(self) -> pb.StatsResponse:
         return self.stub.Stats(pb.StatsRequest(), timeout=10)
@@ -56,37 +60,46 @@ def start_stack(
     num_gpu_blocks: int = 256,
     num_cpu_blocks: int = 256,
     dtype: str = "float32",
+    num_workers: int = 1,
+    redis_url: str | None = None,
     worker_args: tuple[str, ...] = (),
     cp_args: tuple[str, ...] = (),
 ) -> Stack:
-    wport, cport = free_port(), free_port()
-    worker = spawn(
-        "worker",
-        "worker",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(wport),
-        "--dtype",
-        dtype,
-        "--kv-cache-memory",
-        str(kv_bytes_for_blocks(model_dir, num_gpu_blocks, dtype)),
-        "--swap-space",
-        str(kv_bytes_for_blocks(model_dir, num_cpu_blocks, dtype)),
-        *worker_args,
-        ready_address=f"127.0.0.1:{wport}",
-    )
+    workers = []
+    for i in range(num_workers):
+        wport = free_port()
+        workers.append(
+            spawn(
+                f"worker-{i}",
+                "worker",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(wport),
+                "--dtype",
+                dtype,
+                "--kv-cache-memory",
+                str(kv_bytes_for_blocks(model_dir, num_gpu_blocks, dtype)),
+                "--swap-space",
+                str(kv_bytes_for_blocks(model_dir, num_cpu_blocks, dtype)),
+                *worker_args,
+                ready_address=f"127.0.0.1:{wport}",
+            )
+        )
+    cport = free_port()
+    redis_args = ("--redis-url", redis_url) if redis_url else ()
     cp = spawn(
         "control-plane",
         "control-plane",
         "--port",
         str(cport),
         "--workers",
-        f"127.0.0.1:{wport}",
+        ",".join(w.address for w in workers),
+        *redis_args,
         *cp_args,
         ready_address=f"127.0.0.1:{cport}",
     )
-    return Stack(f"127.0.0.1:{cport}", worker, cp)
+    return Stack(f"127.0.0.1:{cport}", workers, cp)
 
 
 @dataclass

@@ -1,0 +1,145 @@
+"""Placement across workers, and keeping the prefix index in step with the block managers.
+
+A new request costs one prefix-index lookup: for every worker, the longest run of the prompt's
+blocks it holds. The request goes to the worker with the lowest estimated cost,
+
+    cost = prompt tokens it would still have to compute + tokens already queued or running there,
+
+so a cached prefix wins until the worker holding it is loaded by more than the prefix saves.
+When the index cannot answer, placement uses load alone and serving goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from control_plane.block_hash import request_block_hashes
+from control_plane.engine import EngineLoop
+from control_plane.prefix_index import (
+    PrefixIndex,
+    PrefixIndexTimeout,
+    PrefixIndexUnavailable,
+    WorkerRef,
+)
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
+
+FLUSH_INTERVAL_S = 0.005
+RECOVERY_INTERVAL_S = 0.5
+
+
+@dataclass
+class RoutingCounters:
+    num_routed: int = 0
+    num_routed_with_prefix_hit: int = 0
+    num_lookup_timeouts: int = 0
+
+
+class Router:
+    def __init__(self, loops: Sequence[EngineLoop], index: PrefixIndex, block_size: int) -> None:
+        self.loops = list(loops)
+        self.index = index
+        self.block_size = block_size
+        self.available = True
+        self.counters = RoutingCounters()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wakeup = asyncio.Event()
+        for loop in self.loops:
+            loop.on_step = self._wakeup.set
+
+    def ref(self, loop: EngineLoop) -> WorkerRef:
+        return WorkerRef(loop.client.address, loop.info.epoch)
+
+    async def start(self) -> None:
+        # A worker that restarted has a new epoch: drop what the index says about its old self.
+        try:
+            await self._rebuild()
+        except PrefixIndexUnavailable as exc:
+            self._lost(exc)
+            self._wakeup.set()
+        self._tasks.append(asyncio.create_task(self._flush_forever(), name="prefix-index-sync"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.index.close()
+
+    async def place(self, prompt_ids: list[int], cache_salt: str | None) -> EngineLoop:
+        self.counters.num_routed += 1
+        if len(self.loops) == 1:
+            return self.loops[0]
+        hits = await self._lookup(prompt_ids, cache_salt)
+        n = len(prompt_ids)
+
+        def cost(loop: EngineLoop) -> int:
+            cached = min(hits.get(loop.client.address, 0) * self.block_size, n - 1)
+            return (n - cached) + loop.load
+
+        best = min(self.loops, key=cost)
+        if hits.get(best.client.address, 0) > 0:
+            self.counters.num_routed_with_prefix_hit += 1
+        return best
+
+    async def _lookup(self, prompt_ids: list[int], cache_salt: str | None) -> dict[str, int]:
+        if not self.available:
+            return {}
+        # The last prompt token is always recomputed, so only blocks before it can be hits.
+        hashes = request_block_hashes(prompt_ids[:-1], self.block_size, cache_salt)
+        if not hashes:
+            return {}
+        try:
+            return await self.index.lookup(hashes, [self.ref(loop) for loop in self.loops])
+        except PrefixIndexTimeout:
+            self.counters.num_lookup_timeouts += 1
+            return {}
+        except PrefixIndexUnavailable as exc:
+            self._lost(exc)
+            return {}
+
+    def _lost(self, exc: Exception) -> None:
+        if self.available:
+            log.warning("prefix_index_unavailable", error=str(exc))
+        self.available = False
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if self.available:
+                await self._flush()
+            else:
+                await self._recover()
+            await asyncio.sleep(FLUSH_INTERVAL_S)
+
+    async def _flush(self) -> None:
+        for loop in self.loops:
+            ev = loop.drain_cache_events()
+            try:
+                if ev.replace:
+                    await self.index.replace_worker(self.ref(loop), ev.stored)
+                elif ev.stored or ev.removed:
+                    await self.index.update(self.ref(loop), ev.stored, ev.removed)
+            except PrefixIndexUnavailable as exc:
+                self._lost(exc)
+                return
+
+    async def _recover(self) -> None:
+        """Retries until the index answers, then rebuilds it from the block managers."""
+        while True:
+            try:
+                await self._rebuild()
+            except PrefixIndexUnavailable:
+                await asyncio.sleep(RECOVERY_INTERVAL_S)
+                continue
+            log.info("prefix_index_rebuilt", workers=len(self.loops))
+            self.available = True
+            return
+
+    async def _rebuild(self) -> None:
+        for loop in self.loops:
+            loop.drain_cache_events()  # superseded by the full snapshot below
+            await self.index.replace_worker(self.ref(loop), loop.cached_block_hashes())

@@ -1,0 +1,1 @@
+"""`pagedserve bench`: an OpenAI-API load generator and its reports (asyncio + httpx)."""
