@@ -165,11 +165,12 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 
 def child_seed(seed: int | None, index: int) -> int | None:
-    """Child `index`'s seed: a fixed mix of the parent's seed and the index, in [0, 2**63), so
-    that children draw independent, reproducible streams. Unseeded stays unseeded."""
-    if seed is None:
-        return None
-    return _splitmix64(_splitmix64(seed) ^ (index + 1)) >> 1
+    """Child `index`'s seed: the request's own seed for child 0 (so choice 0 of n equals the
+    same request with n = 1), and a fixed mix of seed and index for the others, in [0, 2**63),
+    so that every child draws an independent, reproducible stream. Unseeded stays unseeded."""
+    if seed is None or index == 0:
+        return seed
+    return _splitmix64(_splitmix64(seed) ^ index) >> 1
 
 
 def _splitmix64(x: int) -> int:

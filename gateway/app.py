@@ -135,7 +135,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rid = request_id_of(request.scope)
         prompts = body.prompts()
         sampling = sampling_proto(body, body.logprobs)
-        single = len(prompts) * body.n == 1
+        single = len(prompts) == 1
         choices: list[Choice] = []
         for i, prompt in enumerate(prompts):
             base = pb.GenerateRequest(
@@ -160,7 +160,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         base.chat.messages.extend(
             pb.ChatMessage(role=role, content=content) for role, content in body.message_texts()
         )
-        choices = expand_choices(base, body.n, 0, rid, body.n == 1)
+        choices = expand_choices(base, body.n, 0, rid, True)
         fmt = ChatFormat(f"chatcmpl-{rid}", shown, logprobs)
         return await gw.run(request, body, choices, fmt)
 

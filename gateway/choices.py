@@ -1,9 +1,9 @@
 """From an OpenAI body to one GenerateRequest per choice, and the merged stream of their
 answers.
 
-The control plane generates one sequence per Generate call, so `n > 1` is n calls
-(`expand_choices`, the one place that decides it); a batch of prompts is one group of n per
-prompt. Choice index = prompt index * n + i, as OpenAI numbers them.
+One Generate call per prompt (`expand_choices`); `n > 1` is forked by the control plane,
+whose messages carry the completion's index. A batch of prompts is one call per prompt.
+Choice index = prompt index * n + i, as OpenAI numbers them.
 """
 
 from __future__ import annotations
@@ -24,13 +24,18 @@ from protos.v1 import control_plane_pb2 as pb
 
 log = get_logger(__name__)
 
-SEED_MODULUS = 2**63
-
 
 @dataclass(frozen=True)
 class Choice:
-    index: int
+    """One Generate call, producing choices first_index .. first_index + n - 1."""
+
+    first_index: int
+    n: int
     request: pb.GenerateRequest
+
+    @property
+    def indices(self) -> range:
+        return range(self.first_index, self.first_index + self.n)
 
 
 @dataclass(frozen=True)
@@ -72,19 +77,15 @@ def sampling_proto(body: SamplingFields, logprobs: int | None) -> common_pb2.Sam
 def expand_choices(
     base: pb.GenerateRequest, n: int, first_index: int, request_id: str, single: bool
 ) -> list[Choice]:
-    """n independent requests for one prompt. With a seed, choice i samples with seed + i, so
-    the choices differ and each reproduces. Request ids are `request_id` for a lone choice,
-    `request_id-<index>` otherwise, so every upstream request is unique and traceable."""
-    out = []
-    for i in range(n):
-        req = pb.GenerateRequest()
-        req.CopyFrom(base)
-        index = first_index + i
-        req.request_id = request_id if single else f"{request_id}-{index}"
-        if i and base.sampling.HasField("seed"):
-            req.sampling.seed = (base.sampling.seed + i) % SEED_MODULUS
-        out.append(Choice(index, req))
-    return out
+    """The Generate call for one prompt's n choices. The request id is `request_id` for a lone
+    prompt, `request_id-<first choice index>` in a batch, so every upstream request is unique
+    and traceable. With a seed, the control plane gives each of the n its own seed stream."""
+    req = pb.GenerateRequest()
+    req.CopyFrom(base)
+    req.request_id = request_id if single else f"{request_id}-{first_index}"
+    if n > 1:
+        req.sampling.n = n
+    return [Choice(first_index, n, req)]
 
 
 async def stream_choices(
@@ -108,7 +109,7 @@ async def stream_choices(
         try:
             async for msg in call:
                 timer.on_message(msg)
-                queue.put_nowait(ChoiceEvent(choice.index, msg))
+                queue.put_nowait(ChoiceEvent(choice.first_index + msg.index, msg))
             queue.put_nowait(None)
         except grpc.aio.AioRpcError as exc:
             queue.put_nowait(from_grpc(exc, retry_after_s))

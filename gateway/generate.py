@@ -69,7 +69,7 @@ async def respond(
 ) -> Response:
     """The whole body, or an SSE stream whose first event is already in hand, so that an
     upstream rejection (400, 404, 429, 503) still becomes the response's HTTP status."""
-    states = {c.index: ChoiceState() for c in choices}
+    states = {i: ChoiceState() for c in choices for i in c.indices}
     try:
         if not stream:
             await until_disconnect(request, _collect(events, states))
@@ -81,7 +81,9 @@ async def respond(
     except BaseException:
         await events.aclose()
         raise
-    body = _sse_body(first, events, states, fmt, n, include_usage, [c.index for c in choices])
+    body = _sse_body(
+        first, events, states, fmt, n, include_usage, [i for c in choices for i in c.indices]
+    )
     return StreamingResponse(
         body,
         media_type="text/event-stream",

@@ -207,7 +207,8 @@ def test_request_id_echoed_and_logged(gs: GatewayStack) -> None:
     lines = [json.loads(x) for x in gs.gateway.output().splitlines() if x.startswith("{")]
     assert any(x.get("request_id") == "trace-42" and x["event"] == "http_request" for x in lines)
     cp_log = gs.stack.control_plane.output()
-    assert '"request_id": "trace-42-0"' in cp_log and '"request_id": "trace-42-1"' in cp_log
+    # n = 2 is one upstream request, forked inside the control plane.
+    assert '"request_id": "trace-42"' in cp_log and "trace-42-" not in cp_log
     # A malformed id is replaced, not trusted.
     r = httpx.post(
         f"{gs.url}/v1/completions", json=body, headers={**gs.headers, "x-request-id": "a b"}
@@ -230,7 +231,7 @@ def test_client_dropping_mid_stream_frees_its_blocks(gs: GatewayStack) -> None:
     start = time.monotonic()
     assert gs.wait_all_blocks_free(1.0), "blocks not back within 1 s of the disconnect"
     assert time.monotonic() - start < 1.0
-    assert gs.stack.stats().num_requests_aborted >= aborted + 2
+    assert gs.stack.stats().num_requests_aborted >= aborted + 1  # one request, n = 2
 
 
 def test_client_dropping_while_waiting_for_whole_answer(gs: GatewayStack) -> None:

@@ -49,16 +49,19 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
         }
         if request.text in codes:
             context.abort(codes[request.text], f"scripted {request.text}")
-        yield pb.GenerateResponse(
-            request_id=request.request_id, token_ids=[1], text="a", prompt_tokens=3,
-            completion_tokens=1,
-        )  # fmt: skip
+        n = max(request.sampling.n, 1)
+        for i in range(n):
+            yield pb.GenerateResponse(
+                request_id=request.request_id, token_ids=[1], text="a", prompt_tokens=3,
+                completion_tokens=1, index=i,
+            )  # fmt: skip
         if request.text == "late":
             context.abort(grpc.StatusCode.INTERNAL, "worker lost")
-        yield pb.GenerateResponse(
-            request_id=request.request_id, token_ids=[2], text="b", prompt_tokens=3,
-            completion_tokens=2, finish_reason="length",
-        )  # fmt: skip
+        for i in range(n):
+            yield pb.GenerateResponse(
+                request_id=request.request_id, token_ids=[2], text="b", prompt_tokens=3,
+                completion_tokens=2, finish_reason="length", index=i,
+            )  # fmt: skip
 
     def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.ServicerContext
@@ -129,7 +132,7 @@ def test_error_mid_stream_is_an_event(fx: Fixture) -> None:
         list(client.completions.create(model="alias", prompt="late", stream=True))
 
 
-def test_fan_out_ids_and_seeds_on_the_wire(fx: Fixture) -> None:
+def test_n_is_one_upstream_request(fx: Fixture) -> None:
     fx.cp.seen.clear()
     r = httpx.post(
         f"{fx.gateway.url}/v1/completions",
@@ -141,10 +144,10 @@ def test_fan_out_ids_and_seeds_on_the_wire(fx: Fixture) -> None:
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["text"] == "ab" for c in body["choices"])
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
-    seen = sorted(fx.cp.seen, key=lambda q: q.request_id)
-    assert [q.request_id for q in seen] == ["fan-0", "fan-1", "fan-2"]
-    assert [q.sampling.seed for q in seen] == [5, 6, 7]
-    assert all(q.model == "" and q.text == "ok" and q.add_special_tokens for q in seen)
+    # One upstream request: the control plane forks the n completions.
+    [q] = fx.cp.seen
+    assert (q.request_id, q.sampling.n, q.sampling.seed) == ("fan", 3, 5)
+    assert q.model == "" and q.text == "ok" and q.add_special_tokens
 
 
 def test_served_model_name(fx: Fixture) -> None:

@@ -282,10 +282,11 @@ def test_parallel_sampling_validation_and_ids() -> None:
         Request("c", [1], SamplingParams(n=2), parent_id="x")
     assert child_request_id("req-9", 3) == "req-9#3"
     assert child_seed(None, 2) is None
+    assert child_seed(7, 0) == 7  # choice 0 of n reproduces the same request with n = 1
     seeds = [child_seed(123, i) for i in range(16)]
     assert len(set(seeds)) == 16 and all(s is not None and 0 <= s < 2**63 for s in seeds)
     assert seeds == [child_seed(123, i) for i in range(16)]
-    assert child_seed(0, 0) == 0x45A7ED464495A87
+    assert child_seed(0, 1) == 0x45A7ED464495A87
     unseeded = Request("u", [1], SamplingParams(n=2)).make_child(1)
     assert (unseeded.req_id, unseeded.sampling.seed, unseeded.sampling.n) == ("u#1", None, 1)
 

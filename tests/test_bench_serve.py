@@ -1,0 +1,145 @@
+"""`pagedserve bench serve`: the load generator's pieces against a scripted SSE server, and one
+quick run against the real gateway stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.bench.cli import format_report
+from pagedserve.bench.client import completion_body, send
+from pagedserve.bench.metrics import distribution, summarize
+from pagedserve.bench.serve import ServeConfig, arrival_times, run
+from pagedserve.bench.workload import (
+    BenchRequest,
+    LengthRange,
+    random_requests,
+    shared_prefix_requests,
+)
+from pagedserve.cli import main as cli_main
+from tests.gateway_stack import GatewayStack, shared_gateway_stack
+
+
+def _sse(req: httpx.Request) -> httpx.Response:
+    """A fake /v1/completions: one chunk per token, then usage and [DONE]."""
+    if req.url.path == "/v1/models":
+        return httpx.Response(200, json={"data": [{"id": "fake"}]})
+    body = json.loads(req.content)
+    if body["model"] != "fake" or not body["stream"]:
+        return httpx.Response(400, json={"error": {"message": "bad"}})
+    n = body["max_tokens"]
+    lines = [json.dumps({"choices": [{"index": 0, "text": f"t{i}"}]}) for i in range(n)]
+    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+    lines.append(json.dumps({"choices": [], "usage": usage}))
+    text = "".join(f"data: {line}\n\n" for line in lines) + "data: [DONE]\n\n"
+    return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+
+def test_workloads_are_seeded_and_shaped() -> None:
+    a = random_requests(10, LengthRange(4, 8), LengthRange.parse("3"), 100, seed=1)
+    assert a == random_requests(10, LengthRange(4, 8), LengthRange(3, 3), 100, seed=1)
+    assert all(4 <= len(r.prompt) <= 8 and r.max_tokens == 3 for r in a)
+    assert all(3 <= t < 100 for r in a for t in r.prompt)
+    s = shared_prefix_requests(6, 2, 5, LengthRange(1, 2), LengthRange(2, 2), 100, seed=0)
+    assert s[0].prompt[:5] == s[2].prompt[:5] != s[1].prompt[:5]
+    with pytest.raises(ValueError):
+        LengthRange.parse("9:3")
+
+
+def test_arrival_schedules() -> None:
+    assert arrival_times(3, math.inf, "poisson", 8, 0) == [0.0, 0.0, 0.0]
+    assert arrival_times(5, 2.0, "burst", 2, 0) == [0.0, 0.0, 1.0, 1.0, 2.0]
+    t = arrival_times(2000, 10.0, "poisson", 8, 0)
+    assert t == sorted(t) and 180 < t[-1] < 220  # mean gap 1/rate
+    with pytest.raises(ValueError):
+        ServeConfig("http://x", request_rates=(0.0,))
+
+
+def test_send_times_every_chunk_and_reads_usage() -> None:
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(_sse)) as client:
+            res = await send(client, "http://fake/v1/completions", BenchRequest([5, 6], 4), "fake")
+            assert res.ok and res.output_tokens == 4 and len(res.chunk_times) == 4
+            assert 0 <= res.ttft <= res.latency and len(res.itls) == 3
+            assert res.tpot is not None
+            bad = await send(client, "http://fake/v1/completions", BenchRequest([5], 2), "other")
+            assert not bad.ok and bad.error is not None and "HTTP 400" in bad.error
+
+    asyncio.run(go())
+    body = completion_body(BenchRequest([1, 2], 3), "m", ignore_eos=True)
+    assert body["stream"] and body["ignore_eos"] and body["stream_options"]["include_usage"]
+
+
+def test_run_and_summaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real_client = httpx.AsyncClient
+
+    def fake_client(**kw: object) -> httpx.AsyncClient:
+        return real_client(transport=httpx.MockTransport(_sse), **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(httpx, "AsyncClient", fake_client)
+    reqs = random_requests(6, LengthRange(2, 4), LengthRange(1, 5), 50, seed=0)
+    cfg = ServeConfig("http://fake", request_rates=(50.0, math.inf), max_concurrency=2)
+    report = asyncio.run(run(cfg, reqs))
+    assert report["model"] == "fake" and len(report["runs"]) == 2
+    for r in report["runs"]:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["output_tokens"] == sum(q.max_tokens for q in reqs)
+        assert r["output_throughput"] > 0 and r["ttft"]["p99_ms"] >= r["ttft"]["p50_ms"]
+    report.update(num_prompts=6)
+    assert "TTFT p99" in format_report(report)
+    from pagedserve.bench.plot import write_plot
+
+    write_plot(report, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_distribution_and_empty_summary() -> None:
+    d = distribution([0.001, 0.002, 0.003])
+    assert d["mean_ms"] == pytest.approx(2.0) and d["p50_ms"] == pytest.approx(2.0)
+    assert summarize([], 1.0)["output_throughput"] == 0.0
+
+
+def test_bench_serve_against_the_gateway(
+    pytestconfig: pytest.Config, micro_llama: Path, tmp_path: Path
+) -> None:
+    gs: GatewayStack = shared_gateway_stack(pytestconfig, micro_llama)
+    out = tmp_path / "serve.json"
+    rc = cli_main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            gs.url,
+            "--api-key",
+            gs.api_key,
+            "--num-prompts",
+            "6",
+            "--prompt-len",
+            "4:16",
+            "--output-len",
+            "2:8",
+            "--vocab-size",
+            "512",
+            "--request-rate",
+            "20,inf",
+            "--max-concurrency",
+            "4",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]  # fmt: skip
+    )
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    for r in rep["runs"]:
+        assert r["completed"] == 6
+        assert [q["output_tokens"] for q in r["requests"]] == [
+            q.max_tokens
+            for q in random_requests(6, LengthRange(4, 16), LengthRange(2, 8), 512, seed=0)
+        ]
+        assert r["ttft"]["mean_ms"] > 0 and r["e2e"]["p99_ms"] >= r["ttft"]["p99_ms"]
