@@ -103,7 +103,12 @@ class EngineLoop:
         self.on_step: Callable[[], None] = lambda: None
 
     def _new_scheduler(self) -> Scheduler:
-        bm = BlockManager(self.info.num_gpu_blocks, self.info.num_cpu_blocks, self.info.block_size)
+        bm = BlockManager(
+            self.info.num_gpu_blocks,
+            self.info.num_cpu_blocks,
+            self.info.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
         return Scheduler(self.scheduler_config, bm)
 
     # -- requests ---------------------------------------------------------------------------
