@@ -216,3 +216,17 @@ def test_min_tokens_suppresses_stop_tokens(stack: Stack) -> None:
     )
     assert len(out.token_ids) >= 4
     assert first not in out.token_ids[:3]
+
+
+def test_reflection_and_health(stack: Stack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    refl = reflection_pb2_grpc.ServerReflectionStub(stack.channel)
+    req = reflection_pb2.ServerReflectionRequest(list_services="")
+    [resp] = list(refl.ServerReflectionInfo(iter([req])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"pagedserve.v1.ControlPlane", "grpc.health.v1.Health"} <= names
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="pagedserve.v1.ControlPlane"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
