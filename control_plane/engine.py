@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from control_plane.block_manager import (
     AllBlocksCleared,
     BlockEvent,
@@ -26,9 +28,13 @@ from control_plane.tokenizer import LoadedTokenizer
 from control_plane.worker_client import WorkerClient, WorkerError
 from pagedserve.log import get_logger
 from pagedserve.plan import SampledToken
+from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2
 
 log = get_logger(__name__)
+
+# How long requests wait for their worker to come back before they fail with UNAVAILABLE.
+WORKER_RECONNECT_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -205,8 +211,12 @@ class EngineLoop:
             try:
                 await self.step()
             except WorkerError as exc:
-                self._fail_all(exc)
-                await asyncio.sleep(0.5)
+                log.error("worker_failed", worker=self.client.address, error=str(exc))
+                self.client.reset_stream()
+                self._restart_scheduler()
+                if not await self._reconnect(WORKER_RECONNECT_TIMEOUT_S):
+                    self._fail_all(exc)
+                    await self._reconnect(None)
             # Let Generate handlers and aborts in between steps.
             await asyncio.sleep(0)
 
@@ -274,15 +284,61 @@ class EngineLoop:
                 self.counters.num_requests_finished += 1
             stream.queue.put_nowait(chunk)
 
-    def _fail_all(self, exc: WorkerError) -> None:
-        """The worker stream broke: fail what ran on it and start over with a clean state."""
-        log.error("worker_failed", worker=self.client.address, error=str(exc))
-        self.client.reset_stream()
+    async def _reconnect(self, timeout_s: float | None) -> bool:
+        """Waits (up to timeout_s; None = for ever) for the worker to answer again. A restarted
+        worker (new epoch, maybe another pool size) gets a scheduler sized to it. Returns False
+        on timeout."""
+        self.healthy = False
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                info = await self.client.describe(timeout=2.0)
+                break
+            except grpc.aio.AioRpcError:
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.2)
+        if info.epoch != self.info.epoch:
+            log.info("worker_restarted", worker=self.client.address, epoch=info.epoch)
+            self.info = info
+            self._restart_scheduler()
+        self.healthy = True
+        return True
+
+    def _restart_scheduler(self) -> None:
+        """Starts over with an empty block manager, and requeues every unfinished request as
+        its prompt plus the tokens already streamed: clients see neither an error nor a
+        repeated token, and generation goes on where it stopped."""
+        survivors = [
+            Request(
+                r.req_id,
+                list(r.prompt_token_ids),
+                r.sampling,
+                r.arrival_time,
+                output_token_ids=list(r.output_token_ids),
+                cache_salt=r.cache_salt,
+                parent_id=r.parent_id,
+                index=r.index,
+            )
+            for client_id in list(self.streams)
+            for r in self.scheduler.live_requests(client_id)
+        ]
+        self.scheduler = self._new_scheduler()
+        for r in survivors:
+            try:
+                self.scheduler.add_request(r)
+            except (InvalidRequestError, ValueError) as exc:  # the new pool is too small
+                stream = self.streams.pop(r.parent_id or r.req_id, None)
+                if stream is not None and not stream.finished:
+                    stream.finished = True
+                    stream.queue.put_nowait(exc)
+        # The new block manager's cache is empty: restate it (as nothing) to the index.
+        self._cache_events = [AllBlocksCleared()]
+        self.on_step()
+
+    def _fail_all(self, exc: BaseException) -> None:
         for stream in self.streams.values():
             stream.finished = True
             stream.queue.put_nowait(exc)
         self.streams.clear()
         self.scheduler = self._new_scheduler()
-        # The new block manager's cache is empty: restate it (as nothing) to the index.
-        self._cache_events = [AllBlocksCleared()]
-        self.on_step()

@@ -53,6 +53,19 @@ class Stack:
         return self.stub.Stats(pb.StatsRequest(), timeout=10)
 
 
+def worker_cli_args(
+    model_dir: Path, port: int, num_gpu_blocks: int, num_cpu_blocks: int, dtype: str
+) -> list[str]:
+    return [
+        "worker",
+        "--model", str(model_dir),
+        "--port", str(port),
+        "--dtype", dtype,
+        "--kv-cache-memory", str(kv_bytes_for_blocks(model_dir, num_gpu_blocks, dtype)),
+        "--swap-space", str(kv_bytes_for_blocks(model_dir, num_cpu_blocks, dtype)),
+    ]  # fmt: skip
+
+
 def start_stack(
     spawn: Callable[..., ServerProcess],
     model_dir: Path,
@@ -68,23 +81,9 @@ def start_stack(
     workers = []
     for i in range(num_workers):
         wport = free_port()
+        args = worker_cli_args(model_dir, wport, num_gpu_blocks, num_cpu_blocks, dtype)
         workers.append(
-            spawn(
-                f"worker-{i}",
-                "worker",
-                "--model",
-                str(model_dir),
-                "--port",
-                str(wport),
-                "--dtype",
-                dtype,
-                "--kv-cache-memory",
-                str(kv_bytes_for_blocks(model_dir, num_gpu_blocks, dtype)),
-                "--swap-space",
-                str(kv_bytes_for_blocks(model_dir, num_cpu_blocks, dtype)),
-                *worker_args,
-                ready_address=f"127.0.0.1:{wport}",
-            )
+            spawn(f"worker-{i}", *args, *worker_args, ready_address=f"127.0.0.1:{wport}")
         )
     cport = free_port()
     redis_args = ("--redis-url", redis_url) if redis_url else ()
