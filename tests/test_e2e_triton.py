@@ -30,8 +30,9 @@ MODEL = {
 }
 PROMPT_LENS = [5, 23, 40, 12, 17]
 MAX_TOKENS = [12, 9, 10, 8, 6]
-# 6 blocks of 16 = 96 token slots; the requests need 175 together: preemption is certain.
-NUM_GPU_BLOCKS = 6
+# 4 blocks of 16 = 64 token slots; the requests need 12 blocks together and a running one
+# must grow past what is free: preemption is certain.
+NUM_GPU_BLOCKS = 4
 MAX_BATCHED_TOKENS = 16  # below the longer prompts: chunked prefill is certain
 
 
