@@ -33,8 +33,9 @@ from protos.v1 import worker_pb2
 
 log = get_logger(__name__)
 
-# How long requests wait for their worker to come back before they fail with UNAVAILABLE.
-WORKER_RECONNECT_TIMEOUT_S = 60.0
+# How long requests wait for their worker to come back before they move to another worker
+# (or, with none, fail with UNAVAILABLE).
+WORKER_FAILOVER_S = 10.0
 
 
 @dataclass
@@ -107,6 +108,9 @@ class EngineLoop:
         self._task: asyncio.Task[None] | None = None
         self._cache_events: list[BlockEvent] = []
         self.on_step: Callable[[], None] = lambda: None
+        # Moves this loop's requests to other workers; returns False when there are none.
+        self.hand_off: Callable[[EngineLoop], bool] = lambda loop: False
+        self.failover_after_s = WORKER_FAILOVER_S
 
     def _new_scheduler(self) -> Scheduler:
         bm = BlockManager(
@@ -214,8 +218,10 @@ class EngineLoop:
                 log.error("worker_failed", worker=self.client.address, error=str(exc))
                 self.client.reset_stream()
                 self._restart_scheduler()
-                if not await self._reconnect(WORKER_RECONNECT_TIMEOUT_S):
-                    self._fail_all(exc)
+                if not await self._reconnect(self.failover_after_s):
+                    # Hand the requests to another worker, or fail them if there is none.
+                    if not self.hand_off(self):
+                        self._fail_all(exc)
                     await self._reconnect(None)
             # Let Generate handlers and aborts in between steps.
             await asyncio.sleep(0)
@@ -309,7 +315,18 @@ class EngineLoop:
         """Starts over with an empty block manager, and requeues every unfinished request as
         its prompt plus the tokens already streamed: clients see neither an error nor a
         repeated token, and generation goes on where it stopped."""
-        survivors = [
+        survivors = [r for client_id in list(self.streams) for r in self.live_copies(client_id)]
+        self.scheduler = self._new_scheduler()
+        for r in survivors:
+            self._requeue(r)
+        # The new block manager's cache is empty: restate it (as nothing) to the index.
+        self._cache_events = [AllBlocksCleared()]
+        self.on_step()
+
+    def live_copies(self, client_id: str) -> list[Request]:
+        """Fresh WAITING copies of a client request's unfinished sequences (the request, or
+        its forked children), carrying the tokens already streamed."""
+        return [
             Request(
                 r.req_id,
                 list(r.prompt_token_ids),
@@ -320,21 +337,24 @@ class EngineLoop:
                 parent_id=r.parent_id,
                 index=r.index,
             )
-            for client_id in list(self.streams)
             for r in self.scheduler.live_requests(client_id)
         ]
-        self.scheduler = self._new_scheduler()
-        for r in survivors:
-            try:
-                self.scheduler.add_request(r)
-            except (InvalidRequestError, ValueError) as exc:  # the new pool is too small
-                stream = self.streams.pop(r.parent_id or r.req_id, None)
-                if stream is not None and not stream.finished:
-                    stream.finished = True
-                    stream.queue.put_nowait(exc)
-        # The new block manager's cache is empty: restate it (as nothing) to the index.
-        self._cache_events = [AllBlocksCleared()]
-        self.on_step()
+
+    def adopt(self, stream: RequestStream, requests: list[Request]) -> None:
+        """Takes over a client request from another worker's loop."""
+        self.streams[stream.request.req_id] = stream
+        for r in requests:
+            self._requeue(r)
+        self._wakeup.set()
+
+    def _requeue(self, r: Request) -> None:
+        try:
+            self.scheduler.add_request(r)
+        except (InvalidRequestError, ValueError) as exc:  # this pool is too small for it
+            stream = self.streams.pop(r.parent_id or r.req_id, None)
+            if stream is not None and not stream.finished:
+                stream.finished = True
+                stream.queue.put_nowait(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self.streams.values():

@@ -79,7 +79,8 @@ class Router:
             cached = min(hits.get(loop.client.address, 0) * self.block_size, n - 1)
             return (n - cached) + loop.load
 
-        best = min(self.loops, key=cost)
+        candidates = [loop for loop in self.loops if loop.healthy] or self.loops
+        best = min(candidates, key=cost)
         if hits.get(best.client.address, 0) > 0:
             self.counters.num_routed_with_prefix_hit += 1
         return best

@@ -19,7 +19,7 @@ from control_plane.chat import render_chat
 from control_plane.config import ControlPlaneConfig
 from control_plane.engine import EngineLoop, OutputChunk
 from control_plane.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
-from control_plane.request import Request
+from control_plane.request import Request, RequestStatus
 from control_plane.router import Router
 from control_plane.scheduler import SchedulerConfig
 from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
@@ -93,6 +93,8 @@ class ControlPlane:
             loop = EngineLoop(
                 client, info, sched_cfg, self.tokenizer, self.config.enable_prefix_caching
             )
+            loop.hand_off = self.take_over
+            loop.failover_after_s = self.config.worker_failover_s
             loop.start()
             self.loops.append(loop)
         index: PrefixIndex = (
@@ -151,6 +153,21 @@ class ControlPlane:
 
     def abort(self, req_id: str) -> bool:
         return any(loop.abort(req_id) for loop in self.loops)
+
+    def take_over(self, lost: EngineLoop) -> bool:
+        """Moves every request of a worker that stopped answering to the least-loaded healthy
+        worker, from its prompt plus the tokens already streamed."""
+        healthy = [loop for loop in self.loops if loop is not lost and loop.healthy]
+        if not healthy:
+            return False
+        for client_id, stream in list(lost.streams.items()):
+            target = min(healthy, key=lambda loop: loop.load)
+            requests = lost.live_copies(client_id)
+            lost.scheduler.finish_requests([client_id], RequestStatus.FINISHED_ABORTED)
+            del lost.streams[client_id]
+            target.adopt(stream, requests)
+            log.info("request_moved", request_id=client_id, to=target.client.address)
+        return True
 
     def room_after(self, num_prompt_tokens: int) -> int:
         """Most tokens a prompt of this length may generate (context and KV pool permitting)."""

@@ -102,6 +102,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
         tokenizer=a.tokenizer,
         served_model_name=a.served_model_name,
         enable_prefix_caching=not a.no_prefix_caching,
+        worker_failover_s=a.worker_failover_timeout,
     )
     try:
         asyncio.run(serve(cfg))
@@ -205,6 +206,13 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(p, "--redis-url", default=None, help="Redis for the prefix-hash index")
     _flag(p, "--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks")
+    _flag(
+        p,
+        "--worker-failover-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a silent worker has before its requests move to another worker",
+    )
 
 
 def _gateway_flags(p: argparse.ArgumentParser) -> None:

@@ -48,3 +48,39 @@ def test_worker_restart_mid_generation(
     assert outs == expected
     stats = stack.stats()
     assert stats.workers[0].epoch != epoch and stats.workers[0].healthy
+
+
+def test_worker_lost_for_good_its_requests_move(
+    spawn: Callable[..., ServerProcess], micro_llama: Path
+) -> None:
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(20, 60))] for _ in range(6)]
+    max_tokens = 100
+    expected = hf_greedy(micro_llama, prompts, [max_tokens] * len(prompts))
+    stack = start_stack(
+        spawn,
+        micro_llama,
+        dtype="float64",
+        num_workers=2,
+        cp_args=("--worker-failover-timeout", "1"),
+    )
+
+    def run(p: list[int]) -> list[int]:
+        out = generate(stack.stub, p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        assert out.finish_reason == "length"
+        return out.token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(run, p) for p in prompts]
+        deadline = time.monotonic() + 30
+        while min(w.num_generated_tokens for w in stack.stats().workers) < 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        lost = stack.workers[1]
+        lost.proc.kill()
+        lost.proc.wait()
+        outs = [f.result(timeout=120) for f in futures]
+
+    assert outs == expected
+    by_address = {w.address: w for w in stack.stats().workers}
+    assert not by_address[lost.address].healthy and by_address[stack.workers[0].address].healthy
