@@ -36,6 +36,8 @@ log = get_logger(__name__)
 # How long requests wait for their worker to come back before they move to another worker
 # (or, with none, fail with UNAVAILABLE).
 WORKER_FAILOVER_S = 10.0
+# Failed steps in a row (the worker answering between them) before the requests are failed.
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 @dataclass
@@ -111,6 +113,8 @@ class EngineLoop:
         # Moves this loop's requests to other workers; returns False when there are none.
         self.hand_off: Callable[[EngineLoop], bool] = lambda loop: False
         self.failover_after_s = WORKER_FAILOVER_S
+        self.given_up = False  # the worker stayed silent past failover; admission refuses it
+        self._consecutive_failures = 0
 
     def _new_scheduler(self) -> Scheduler:
         bm = BlockManager(
@@ -132,8 +136,8 @@ class EngineLoop:
             for _ in range(n)
         ]
         stream = RequestStream(request, detoks, [0] * n)
+        self.scheduler.add_request(request)  # may refuse it: then no stream is left behind
         self.streams[request.req_id] = stream
-        self.scheduler.add_request(request)
         self._wakeup.set()
         return stream
 
@@ -214,17 +218,33 @@ class EngineLoop:
                 await self._wakeup.wait()
             try:
                 await self.step()
+                self._consecutive_failures = 0
             except WorkerError as exc:
-                log.error("worker_failed", worker=self.client.address, error=str(exc))
+                await self._on_worker_error(exc)
+            except Exception as exc:  # a bug must fail its requests, never stop this loop
+                log.exception("engine_step_failed", worker=self.client.address)
                 self.client.reset_stream()
-                self._restart_scheduler()
-                if not await self._reconnect(self.failover_after_s):
-                    # Hand the requests to another worker, or fail them if there is none.
-                    if not self.hand_off(self):
-                        self._fail_all(exc)
-                    await self._reconnect(None)
+                self._fail_all(exc)
             # Let Generate handlers and aborts in between steps.
             await asyncio.sleep(0)
+
+    async def _on_worker_error(self, exc: WorkerError) -> None:
+        log.error("worker_failed", worker=self.client.address, error=str(exc))
+        self.client.reset_stream()
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            # The same work keeps failing on a live worker: replaying it would spin for ever.
+            self._fail_all(exc)
+            self._consecutive_failures = 0
+            await asyncio.sleep(1.0)
+            return
+        self._restart_scheduler()
+        if not await self._reconnect(self.failover_after_s):
+            # Hand the requests to another worker, or fail them if there is none.
+            if not self.hand_off(self):
+                self._fail_all(exc)
+            self.given_up = True
+            await self._reconnect(None)
 
     async def step(self) -> None:
         plan = self.scheduler.schedule()
@@ -309,6 +329,7 @@ class EngineLoop:
             self.info = info
             self._restart_scheduler()
         self.healthy = True
+        self.given_up = False
         return True
 
     def _restart_scheduler(self) -> None:

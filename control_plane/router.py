@@ -141,6 +141,11 @@ class Router:
             return
 
     async def _rebuild(self) -> None:
+        # Drain every loop first (the snapshots below supersede the events), so that no
+        # loop's events pile up while the index is down.
+        snapshots = []
         for loop in self.loops:
-            loop.drain_cache_events()  # superseded by the full snapshot below
-            await self.index.replace_worker(self.ref(loop), loop.cached_block_hashes())
+            loop.drain_cache_events()
+            snapshots.append((self.ref(loop), loop.cached_block_hashes()))
+        for ref, hashes in snapshots:
+            await self.index.replace_worker(ref, hashes)

@@ -140,16 +140,22 @@ class ControlPlane:
                 f"prompt + max_tokens needs {blocks} KV blocks of {info.block_size} tokens, "
                 f"more than the whole KV cache of {info.num_gpu_blocks} blocks"
             )
-        if any(req_id in loop.streams for loop in self.loops):
+        if "#" in req_id:
+            raise InvalidRequestError("request ids must not contain '#'")
+        if all(loop.given_up for loop in self.loops):
+            raise AdmissionError(grpc.StatusCode.UNAVAILABLE, "no worker is answering")
+        assert self.router is not None
+        loop = await self.router.place(prompt_ids, cache_salt)
+        # Checked after the last await, so nothing can slip in between check and add.
+        if any(req_id in lp.streams for lp in self.loops):
             raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id} is running")
-        waiting = sum(loop.scheduler.num_waiting for loop in self.loops)
+        waiting = sum(lp.scheduler.num_waiting for lp in self.loops)
         if waiting >= self.config.max_waiting:
             raise AdmissionError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the waiting queue is full ({waiting} requests); retry later",
             )
-        assert self.router is not None
-        return await self.router.place(prompt_ids, cache_salt)
+        return loop
 
     def abort(self, req_id: str) -> bool:
         return any(loop.abort(req_id) for loop in self.loops)

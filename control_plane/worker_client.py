@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from pagedserve import wire
@@ -41,6 +43,9 @@ class WorkerClient:
         except grpc.aio.AioRpcError as exc:
             self._call = None
             raise WorkerError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.InvalidStateError as exc:  # the stream ended while we were idle
+            self._call = None
+            raise WorkerError(f"worker {self.address}: the Execute stream has ended") from exc
         if msg is grpc.aio.EOF:
             self._call = None
             raise WorkerError(f"worker {self.address} closed the Execute stream")

@@ -129,7 +129,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             for msg in request_iterator:
                 try:
                     result = runner.execute(wire.plan_from_proto(msg))
-                except (PlanError, InvalidRequestError) as exc:
+                except (PlanError, InvalidRequestError, ValueError) as exc:
                     log.error("bad_plan", step_id=msg.step_id, error=str(exc))
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 yield wire.result_to_proto(result)
@@ -155,6 +155,13 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
     options = [
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 64 << 20),
+        # Notice a control plane that vanished without closing its stream, and accept the
+        # control plane's own keepalive pings.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)

@@ -176,6 +176,21 @@ def test_admission_errors(stack: Stack, prompt: object, kw: dict, code: str, nee
     assert generate(stack.stub, [5, 6, 7], max_tokens=2, ignore_eos=True).finish_reason
 
 
+def test_reserved_request_id_characters(stack: Stack) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stack.stub, [5, 6], max_tokens=2, request_id="x#0")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_n16_streams_every_index_and_frees_its_blocks(stack: Stack) -> None:
+    from tests.stack import request as make_request
+
+    req = make_request([5, 6, 7], max_tokens=2, n=16, request_id="too-many")
+    out = list(stack.stub.Generate(req))
+    assert {m.index for m in out} == set(range(16))
+    assert wait_all_free(stack).workers[0].num_free_gpu_blocks == NUM_GPU_BLOCKS
+
+
 def test_unknown_model(stack: Stack) -> None:
     req = request([5, 6], max_tokens=2)
     req.model = "no-such-model"

@@ -84,3 +84,18 @@ def test_worker_lost_for_good_its_requests_move(
     assert outs == expected
     by_address = {w.address: w for w in stack.stats().workers}
     assert not by_address[lost.address].healthy and by_address[stack.workers[0].address].healthy
+
+
+def test_worker_restart_while_idle(spawn: Callable[..., ServerProcess], micro_llama: Path) -> None:
+    stack = start_stack(spawn, micro_llama)
+    first = generate(stack.stub, [5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
+    port = int(stack.worker.address.rsplit(":", 1)[1])
+    stack.worker.proc.kill()
+    stack.worker.proc.wait()
+    spawn(
+        "worker-restarted",
+        *worker_cli_args(micro_llama, port, 256, 256, "float32"),
+        ready_address=stack.worker.address,
+    )
+    again = generate(stack.stub, [5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert again.token_ids == first.token_ids
