@@ -168,7 +168,9 @@ def kv_cache_bytes(model: Path, num_tokens: int, dtype: str, block_size: int = 1
     mc = ModelConfig.from_dir(model)
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     blocks = -(-num_tokens // block_size)
-    return blocks * block_size * 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elem
+    return (
+        blocks * block_size * 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elem
+    )
 
 
 @dataclass
@@ -288,7 +290,7 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "load_avg_1m_at_start": load,
+        "load_avg_1m": load,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
@@ -316,7 +318,10 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     text = [[cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in text)) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(row[i], int | float) or row[i] is None for row in rows) for i in range(len(headers))]
+    numeric = [
+        all(isinstance(row[i], int | float) or row[i] is None for row in rows)
+        for i in range(len(headers))
+    ]
 
     def line(values: Sequence[str]) -> str:
         parts = [

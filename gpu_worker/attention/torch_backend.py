@@ -2,10 +2,17 @@
 
 Per step, sequences are split into two groups, decodes (one new token) and prefills (a chunk
 of new tokens, possibly after cached context). For each group the step precomputes, once for
-all layers, the flat cache index of every context position, the padded query-token index and
-the causal mask; each layer then gathers K/V through those indices and runs one batched
+all layers, the block ids of every sequence's context, the padded query-token index and the
+causal mask; each layer then gathers whole K/V blocks through those ids and runs one batched
 scaled_dot_product_attention. Padding exists only inside a group and only up to the group's
-longest sequence.
+longest sequence (rounded up to whole blocks; the mask hides the tail).
+
+A prefill with no cached context (the whole prompt in this step) attends only to the step's
+own new K/V, so it runs causal SDPA straight on its slice of q, k, v: no gather, no padding.
+
+On a CPU in float32 the decode group skips the gather: `cpu_decode` (a small C kernel) reads
+K/V in place through the block tables, one pass over each context. Other dtypes (the float64
+exactness tests), other devices and machines without a C compiler keep the SDPA path.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.attention import cpu_decode
 from gpu_worker.attention.base import AttentionBackend, BatchLayout
 
 
@@ -22,8 +30,16 @@ from gpu_worker.attention.base import AttentionBackend, BatchLayout
 class _Group:
     token_index: torch.Tensor  # [G, Qmax] flat token row of each (seq, query i); pads -> 0
     token_valid: torch.Tensor | None  # [G, Qmax] bool, None when nothing is padded
-    kv_index: torch.Tensor  # [G, Lmax] flat cache slot of each context position
-    mask: torch.Tensor  # [G, 1, Qmax, Lmax] bool, True = attend
+    block_ids: torch.Tensor  # [G * Bmax] physical block of each (seq, logical block), flat
+    mask: torch.Tensor  # [G, 1, Qmax, Bmax * block_size] bool, True = attend
+
+
+@dataclass
+class _KernelDecodes:
+    rows: torch.Tensor  # [S] int64 flat token row of each decode sequence
+    block_tables: torch.Tensor  # [S, W] int32, contiguous
+    seq_lens: torch.Tensor  # [S] int32
+    max_len: int
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -32,14 +48,46 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._groups: list[_Group] = []
+        self._decodes: _KernelDecodes | None = None
+        self._fresh: list[tuple[int, int]] = []  # (first token row, end) of fresh prefills
         self._slots = torch.empty(0, dtype=torch.long)
+        kv = self.cache.kv
+        self.use_decode_kernel = (
+            kv.device.type == "cpu"
+            and kv.dtype == torch.float32
+            and self.num_heads <= cpu_decode.MAX_HEADS
+            and cpu_decode.load() is not None
+        )
 
     def begin_step(self, layout: BatchLayout) -> None:
         self._slots = layout.slot_mapping
         q_lens = layout.query_lens_host
         decode = [s for s, n in enumerate(q_lens) if n == 1]
         prefill = [s for s, n in enumerate(q_lens) if n > 1]
+        fresh = [s for s in prefill if layout.seq_lens_host[s] == q_lens[s]]
+        prefill = [s for s in prefill if layout.seq_lens_host[s] != q_lens[s]]
+        starts = layout.query_start_loc.tolist() if fresh else []
+        self._fresh = [(starts[s], starts[s] + q_lens[s]) for s in fresh]
+        self._decodes = None
+        if decode and self.use_decode_kernel:
+            self._decodes = self._kernel_decodes(layout, decode)
+            decode = []
         self._groups = [self._build_group(layout, g) for g in (decode, prefill) if g]
+
+    def _kernel_decodes(self, layout: BatchLayout, seqs: list[int]) -> _KernelDecodes:
+        if len(seqs) == layout.num_seqs:
+            idx = None  # the common all-decode step: no re-indexing
+        else:
+            idx = torch.tensor(seqs, dtype=torch.long, device=layout.seq_lens.device)
+        starts = layout.query_start_loc[:-1] if idx is None else layout.query_start_loc[idx]
+        tables = layout.block_tables if idx is None else layout.block_tables[idx]
+        lens = layout.seq_lens if idx is None else layout.seq_lens[idx]
+        return _KernelDecodes(
+            rows=starts.long(),
+            block_tables=tables.to(torch.int32).contiguous(),
+            seq_lens=lens.to(torch.int32).contiguous(),
+            max_len=max(layout.seq_lens_host[s] for s in seqs),
+        )
 
     def _build_group(self, layout: BatchLayout, seqs: list[int]) -> _Group:
         device = layout.slot_mapping.device
@@ -48,26 +96,24 @@ class TorchAttentionBackend(AttentionBackend):
         q_lens = torch.tensor([layout.query_lens_host[s] for s in seqs], device=device)
         seq_lens = torch.tensor([layout.seq_lens_host[s] for s in seqs], device=device)
         q_max = int(q_lens.max())
-        l_max = int(seq_lens.max())
-        n_blk = (l_max + bs - 1) // bs
+        n_blk = (int(seq_lens.max()) + bs - 1) // bs
 
-        tables = layout.block_tables[idx, :n_blk].long()
-        offsets = torch.arange(bs, device=device)
-        kv_index = (tables[:, :, None] * bs + offsets).reshape(len(seqs), n_blk * bs)[:, :l_max]
+        block_ids = layout.block_tables[idx, :n_blk].long().reshape(-1)
 
         i = torch.arange(q_max, device=device)
         starts = layout.query_start_loc[idx].long()
         token_valid = i[None, :] < q_lens[:, None]
         token_index = torch.where(token_valid, starts[:, None] + i[None, :], 0)
 
-        # Query i of a sequence sits at position seq_len - q_len + i and sees keys 0..that.
+        # Query i of a sequence sits at position seq_len - q_len + i and sees keys 0..that;
+        # the positions past seq_len in the last block are thereby hidden too.
         q_pos = (seq_lens - q_lens)[:, None] + i[None, :]
-        j = torch.arange(l_max, device=device)
+        j = torch.arange(n_blk * bs, device=device)
         mask = (j[None, None, :] <= q_pos[:, :, None])[:, None]
         return _Group(
             token_index=token_index,
             token_valid=None if bool(token_valid.all()) else token_valid,
-            kv_index=kv_index,
+            block_ids=block_ids,
             mask=mask,
         )
 
@@ -81,13 +127,42 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat.index_copy_(0, self._slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, self._slots, v.to(v_flat.dtype))
 
-        out = torch.empty_like(q)
-        for g in self._groups:
-            qg = q[g.token_index].transpose(1, 2)  # [G, Hq, Qmax, D]
-            kg = k_flat[g.kv_index].transpose(1, 2).to(q.dtype)  # [G, Hkv, Lmax, D]
-            vg = v_flat[g.kv_index].transpose(1, 2).to(q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        d = self._decodes
+        if d is not None:
+            cpu_decode.paged_decode(
+                out,
+                q.to(k_cache.dtype),
+                d.rows,
+                k_cache,
+                v_cache,
+                d.block_tables,
+                d.seq_lens,
+                d.max_len,
+                self.scale,
+            )
+        for start, end in self._fresh:
             o = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
+                q[start:end].transpose(0, 1),  # [Hq, n, D]
+                k[start:end].transpose(0, 1),
+                v[start:end].transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[start:end] = o.transpose(0, 1)
+        for g in self._groups:
+            num_seqs = g.token_index.shape[0]
+            qg = q[g.token_index].transpose(1, 2)  # [G, Hq, Qmax, D]
+            kg = k_cache.index_select(0, g.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
+            vg = v_cache.index_select(0, g.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(
+                qg,
+                kg.transpose(1, 2).to(q.dtype),  # [G, Hkv, Bmax * block_size, D]
+                vg.transpose(1, 2).to(q.dtype),
+                attn_mask=g.mask,
+                scale=self.scale,
+                enable_gqa=True,
             ).transpose(1, 2)  # [G, Qmax, Hq, D]
             if g.token_valid is None:
                 out[g.token_index.reshape(-1)] = o.reshape(-1, *o.shape[2:])

@@ -1,0 +1,176 @@
+"""The CPU fast paths against the plain ones: the decode kernel
+(gpu_worker/attention/csrc/paged_decode_cpu.c) against the slow torch reference and the torch
+backend's SDPA path, and the oneDNN-prepacked linears against F.linear."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.attention import BatchLayout, cpu_decode
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.kv_cache import CacheGeometry, KVCache
+from tests.kernel_refs import ref_paged_attention
+
+needs_kernel = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(8, 4, 32, 16), (12, 4, 64, 16), (4, 4, 128, 8), (6, 2, 48, 16), (3, 1, 16, 32)],
+)
+def test_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    rng = random.Random(num_heads * 1000 + head_dim)
+    torch.manual_seed(head_dim)
+    lens = [1, block_size - 1, block_size, block_size + 1, 100, 3 * block_size + 5, 7]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 5
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    width = max(-(-n // block_size) for n in lens) + 1  # one padding column
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for s, n in enumerate(lens):
+        for j in range(-(-n // block_size)):
+            tables[s, j] = free.pop()
+    # Queries as the model makes them: heads of q, then of k, in one row per token; the
+    # decode rows sit among other (prefill) rows, out of order.
+    num_tokens = len(lens) + 3
+    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim)
+    q = qk[:, :num_heads]
+    rows = torch.tensor(rng.sample(range(num_tokens), len(lens)), dtype=torch.long)
+    out = torch.full((num_tokens, num_heads, head_dim), 7.0)
+    scale = head_dim**-0.5
+    cpu_decode.paged_decode(
+        out,
+        q,
+        rows,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor(lens, dtype=torch.int32),
+        max(lens),
+        scale,
+    )
+    want = ref_paged_attention(q[rows], k_cache, v_cache, tables, [1] * len(lens), lens, scale)
+    torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(num_tokens, dtype=torch.bool)
+    untouched[rows] = False
+    assert bool((out[untouched] == 7.0).all())
+
+
+def _layout(seqs: list[tuple[list[int], int, int]], block_size: int) -> BatchLayout:
+    slots: list[int] = []
+    starts = [0]
+    for table, ctx, n in seqs:
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
+        starts.append(starts[-1] + n)
+    width = max(len(t) for t, _, _ in seqs)
+    return BatchLayout(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for _, c, n in seqs], dtype=torch.int32),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t, _, _ in seqs], dtype=torch.int32
+        ),
+        query_lens_host=[n for _, _, n in seqs],
+        seq_lens_host=[c + n for _, c, n in seqs],
+    )
+
+
+@needs_kernel
+def test_backend_with_kernel_equals_its_sdpa_path() -> None:
+    """Mixed steps (prefill chunks after context, decodes, all-decode) through both paths."""
+    bs, heads = 16, 8
+    geometry = CacheGeometry(2, 4, 32, bs, torch.float32)
+    steps = [
+        [([3, 9, 4], 0, 40), ([7], 0, 5)],
+        [([3, 9, 4], 40, 1), ([7, 1], 5, 20), ([2, 5], 0, 17)],
+        [([3, 9, 4], 41, 1), ([7, 1], 25, 1), ([2, 5], 17, 1)],
+    ]
+    outs = {}
+    for use_kernel in (True, False):
+        torch.manual_seed(0)
+        cache = KVCache(geometry, 12, 0, "cpu")
+        backend = TorchAttentionBackend(cache, heads, 32)
+        assert backend.use_decode_kernel
+        backend.use_decode_kernel = use_kernel
+        got = []
+        for seqs in steps:
+            layout = _layout(seqs, bs)
+            backend.begin_step(layout)
+            assert (backend._decodes is not None) == (use_kernel and any(n == 1 for *_, n in seqs))
+            t = sum(n for *_, n in seqs)
+            for layer in range(2):
+                q, k, v = torch.randn(t, heads, 32), torch.randn(t, 4, 32), torch.randn(t, 4, 32)
+                got.append(backend.forward(layer, q, k, v))
+        outs[use_kernel] = got
+    for a, b in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_lengths_past_max_len_are_refused() -> None:
+    kc = torch.zeros(2, 16, 1, 32)
+    out, q = torch.zeros(1, 1, 32), torch.zeros(1, 1, 32)
+    rows, tables = torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="code 3"):
+        cpu_decode.paged_decode(
+            out, q, rows, kc, kc, tables, torch.tensor([20], dtype=torch.int32), 16, 1.0
+        )
+
+
+def test_other_dtypes_keep_the_sdpa_path() -> None:
+    cache = KVCache(CacheGeometry(1, 2, 32, 16, torch.float64), 4, 0, "cpu")
+    assert not TorchAttentionBackend(cache, 4, 32).use_decode_kernel
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    monkeypatch.setenv("PAGEDSERVE_CPU_DECODE_KERNEL", "0")
+    assert cpu_decode.load() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_prepacked_linears_match_plain(
+    dtype: torch.dtype, make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpu_worker.checkpoint import load_model
+    from gpu_worker.models.llama import DecoderLayer, prepack_supported
+
+    model = load_model(make_checkpoint("qwen2", num_hidden_layers=2), dtype=dtype)
+    layer = model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    packed = prepack_supported(dtype, torch.device("cpu"))
+    assert packed == (dtype == torch.float32 and torch.backends.mkldnn.is_available())
+    assert (model.lm_head_packed is not None) == packed == (layer.qkv_packed is not None)
+
+    def logits() -> torch.Tensor:
+        ids = torch.tensor([5, 9, 300, 17, 42])
+        seen: list[torch.Tensor] = []
+
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                enable_gqa=True,
+            ).transpose(0, 1)  # fmt: skip
+
+        with torch.inference_mode():
+            out = model.compute_logits(model(ids, torch.arange(5), attn))
+        seen.append(out)
+        return out
+
+    fast = logits()
+    monkeypatch.setenv("PAGEDSERVE_ONEDNN_LINEAR", "0")
+    model.prepack()
+    assert model.lm_head_packed is None and layer.qkv_packed is None
+    plain = logits()
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-3)
+    assert torch.equal(fast.argmax(-1), plain.argmax(-1))
