@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedserve.cluster import grpc_serving
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODELS_DIR = RESULTS_DIR / "models"
 
@@ -103,20 +105,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def grpc_serving(address: str, timeout: float = 1.0) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout
-            )
-        except grpc.RpcError:
-            return False
-    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 class Process:
