@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks import baselines
 from benchmarks.baselines import SystemRun
 from benchmarks.common import (
@@ -40,8 +42,17 @@ from benchmarks.common import (
 )
 from gpu_worker.model_runner import keep_freed_host_memory
 
-SYSTEMS = ("pagedserve", "hf-one", "hf-static", "hf-cb", "torch-bound", "kernel-bound", "vllm")
-QUICK_SYSTEMS = "pagedserve,hf-static,torch-bound"
+SYSTEMS = (
+    "pagedserve",
+    "engine-inproc",
+    "hf-one",
+    "hf-static",
+    "hf-cb",
+    "torch-bound",
+    "kernel-bound",
+    "vllm",
+)
+QUICK_SYSTEMS = "pagedserve,engine-inproc,hf-static,torch-bound"
 
 
 async def _drive(address: str, wl: Workload) -> tuple[float, list[list[int]]]:
@@ -82,6 +93,56 @@ def run_pagedserve(model: Path, wl: Workload, opts: StackOptions) -> SystemRun:
     )
 
 
+@torch.inference_mode()
+def run_engine_in_process(model: Path, wl: Workload, opts: StackOptions) -> SystemRun:
+    """pagedserve's scheduler and worker runner in this one process, with no gRPC: the same
+    paged engine minus the process split and the per-token streams (what those cost)."""
+    from control_plane.block_manager import BlockManager
+    from control_plane.request import Request
+    from control_plane.scheduler import Scheduler, SchedulerConfig
+    from gpu_worker.attention import create_backend
+    from gpu_worker.checkpoint import load_model
+    from gpu_worker.kv_cache import CacheGeometry, KVCache
+    from gpu_worker.model_runner import ModelRunner
+    from pagedserve.sampling_params import SamplingParams
+
+    m = load_model(model, dtype=torch.float32)
+    c = m.config
+    geometry = CacheGeometry(
+        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16, torch.float32
+    )
+    num_blocks = -(-opts.kv_tokens // 16)
+    cache = KVCache(geometry, num_blocks, 0, "cpu")
+    backend = create_backend("torch", cache, c.num_attention_heads, c.head_dim, "cpu")
+    runner = ModelRunner(m, cache, backend)
+    cfg = SchedulerConfig(
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        max_model_len=c.max_model_len,
+    )
+
+    def generate(prompts: list[list[int]], lens: list[int]) -> list[list[int]]:
+        sched = Scheduler(cfg, BlockManager(num_blocks, 0, 16))
+        reqs = [
+            Request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))
+        ]
+        for r in reqs:
+            sched.add_request(r)
+        while sched.has_unfinished_requests():
+            plan = sched.schedule()
+            sched.update(plan, runner.execute(plan))
+        runner.reset()
+        return [list(r.output_token_ids) for r in reqs]
+
+    generate([p[:8] for p in wl.prompts[:2]], [3, 3])  # warm-up, untimed
+    start = time.perf_counter()
+    outputs = generate(wl.prompts, wl.output_lens)
+    elapsed = time.perf_counter() - start
+    name = "our engine in one process (scheduler + worker, no gRPC)"
+    return SystemRun(name, wl.num_output_tokens, elapsed, outputs)
+
+
 def _matches(a: list[list[int]] | None, b: list[list[int]] | None) -> int | None:
     if a is None or b is None:
         return None
@@ -101,6 +162,7 @@ def run_all(
     burst of load on a shared machine hits every system alike); each system's median run."""
     runners: dict[str, Callable[[], SystemRun]] = {
         "pagedserve": lambda: run_pagedserve(model, wl, opts),
+        "engine-inproc": lambda: run_engine_in_process(model, wl, opts),
         "hf-one": lambda: baselines.hf_one_at_a_time(model, wl),
         "hf-static": lambda: baselines.hf_static_batching(model, wl),
         "hf-cb": lambda: baselines.hf_continuous_batching(model, wl),
@@ -227,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs of --repeat-systems (median)")
     p.add_argument(
         "--repeat-systems",
-        default="pagedserve,torch-bound,kernel-bound,vllm",
+        default="pagedserve,engine-inproc,torch-bound,kernel-bound,vllm",
         help="systems run --repeat times, round robin",
     )
     p.add_argument("--quick", action="store_true", help="tiny model, 8 short requests")

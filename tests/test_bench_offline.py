@@ -28,7 +28,7 @@ def test_offline_throughput_quick(
     rep = json.loads(out.read_text())
     assert rep["mode"] == "quick" and rep["workload"]["num_requests"] == 8
     rows = {r["system"].split(" ")[0]: r for r in rep["systems"]}
-    assert set(rows) == {"pagedserve", "transformers", "pure-torch"}
+    assert set(rows) == {"pagedserve", "our", "transformers", "pure-torch"}
     n = rep["workload"]["num_requests"]
     for r in rep["systems"]:
         assert r["skipped"] is None
@@ -36,6 +36,7 @@ def test_offline_throughput_quick(
         assert r["pagedserve_ratio"] > 0
     # The same greedy tokens from our stack, our model code alone and transformers.
     assert rows["pure-torch"]["same_tokens_as_pagedserve"] == n
+    assert rows["our"]["same_tokens_as_pagedserve"] == n
     assert rows["transformers"]["same_tokens_as_pagedserve"] >= n - 1
     assert "pagedserve ×" in capsys.readouterr().out
 

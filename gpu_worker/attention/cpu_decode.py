@@ -6,7 +6,7 @@ cost several times the one pass over the context this kernel makes, reading K/V 
 through the block table.
 
 The C source is compiled once per machine with the system C compiler (`cc`, or `$CC`) into a
-cache directory (`$PAGEDSERVE_KERNEL_CACHE`, default `~/.cache/pagedserve/kernels`), keyed by a
+cache directory (`$PAGEDSERVE_CACHE_DIR/kernels`, default `~/.cache/pagedserve/kernels`), keyed by a
 hash of the source, flags and compiler, and loaded with ctypes (calls release the GIL). OpenMP
 resolves to the libgomp torch has already loaded, so the kernel shares torch's threads.
 
@@ -41,8 +41,8 @@ _loaded: dict[str, Any] = {}  # "fn": the ctypes function, or None
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("PAGEDSERVE_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "pagedserve" / "kernels"
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "pagedserve") / "kernels"
 
 
 def _build(cc: str) -> Path:
