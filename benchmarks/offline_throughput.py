@@ -68,7 +68,8 @@ async def _drive(address: str, wl: Workload) -> tuple[float, list[list[int]]]:
 
         async def one(prompt: list[int], n: int) -> list[int]:
             req = pb.GenerateRequest(
-                sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                output_kind=pb.OUTPUT_KIND_FINAL_ONLY,
             )
             req.token_ids.ids.extend(prompt)
             out: list[int] = []

@@ -24,6 +24,7 @@ class ControlPlaneConfig:
     served_model_name: str | None = None
     worker_connect_timeout_s: float = 300.0
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True  # plan step n+1 while the worker runs step n
     worker_failover_s: float = 10.0  # a worker silent this long loses its requests to others
 
     def __post_init__(self) -> None:

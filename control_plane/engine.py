@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConf
 from control_plane.tokenizer import LoadedTokenizer
 from control_plane.worker_client import WorkerClient, WorkerError
 from pagedserve.log import get_logger
-from pagedserve.plan import SampledToken
+from pagedserve.plan import SampledToken, StepPlan
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2
 
@@ -53,18 +54,76 @@ class OutputChunk:
     stop_reason: str | None = None
     index: int = 0  # which of the request's n completions
     last: bool = False  # nothing follows for this client request
+    time_to_first_token_s: float | None = None  # set on a completion's final chunk
+
+    @property
+    def ends_completion(self) -> bool:
+        return self.last or self.finish_reason is not None
+
+    def merge(self, later: OutputChunk) -> OutputChunk:
+        """This chunk followed by a later one of the same completion, as one chunk."""
+        return OutputChunk(
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+            num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            index=later.index,
+            last=later.last,
+            time_to_first_token_s=later.time_to_first_token_s,
+        )
+
+
+def merge_chunks(items: list[OutputChunk | BaseException]) -> list[OutputChunk | BaseException]:
+    """Merges each run of consecutive chunks of one completion into one chunk (order kept)."""
+    out: list[OutputChunk | BaseException] = []
+    for item in items:
+        prev = out[-1] if out else None
+        if (
+            isinstance(item, OutputChunk)
+            and isinstance(prev, OutputChunk)
+            and prev.index == item.index
+            and not prev.ends_completion
+        ):
+            out[-1] = prev.merge(item)
+        else:
+            out.append(item)
+    return out
 
 
 @dataclass
 class RequestStream:
-    """One client request: n completions, each with its own detokenizer and counters."""
+    """One client request: n completions, each with its own detokenizer and counters.
+
+    final_only: each completion's chunks are held and merged, and reach the queue as one chunk
+    when the completion ends (a non-streaming client's single answer)."""
 
     request: Request
     detokenizers: list[IncrementalDetokenizer]
     num_output_tokens: list[int]
+    final_only: bool = False
     queue: asyncio.Queue[OutputChunk | BaseException] = field(default_factory=asyncio.Queue)
     finished: bool = False
     first_token_time: float | None = None
+    _held: dict[int, OutputChunk] = field(default_factory=dict)
+
+    def emit(self, chunk: OutputChunk) -> None:
+        if chunk.ends_completion and self.first_token_time is not None:
+            chunk.time_to_first_token_s = self.first_token_time - self.request.arrival_time
+        if self.final_only:
+            held = self._held.pop(chunk.index, None)
+            if held is not None:
+                chunk = held.merge(chunk)
+            if not chunk.ends_completion:
+                self._held[chunk.index] = chunk
+                return
+            if chunk.last:  # an abort ends every completion: what they had goes first
+                for other in self._held.values():
+                    self.queue.put_nowait(other)
+                self._held.clear()
+        self.queue.put_nowait(chunk)
 
 
 @dataclass
@@ -95,6 +154,7 @@ class EngineLoop:
         scheduler_config: SchedulerConfig,
         tokenizer: LoadedTokenizer,
         enable_prefix_caching: bool = True,
+        async_scheduling: bool = True,
     ) -> None:
         self.client = client
         self.enable_prefix_caching = enable_prefix_caching
@@ -107,6 +167,8 @@ class EngineLoop:
         self.healthy = True
         self._wakeup = asyncio.Event()
         self._step_id = 0
+        self.async_scheduling = async_scheduling
+        self._in_flight: deque[StepPlan] = deque()  # sent to the worker, results not yet read
         self._task: asyncio.Task[None] | None = None
         self._cache_events: list[BlockEvent] = []
         self.on_step: Callable[[], None] = lambda: None
@@ -127,7 +189,7 @@ class EngineLoop:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> RequestStream:
+    def add_request(self, request: Request, final_only: bool = False) -> RequestStream:
         n = request.sampling.n
         detoks = [
             IncrementalDetokenizer(
@@ -135,7 +197,7 @@ class EngineLoop:
             )
             for _ in range(n)
         ]
-        stream = RequestStream(request, detoks, [0] * n)
+        stream = RequestStream(request, detoks, [0] * n, final_only)
         self.scheduler.add_request(request)  # may refuse it: then no stream is left behind
         self.streams[request.req_id] = stream
         self._wakeup.set()
@@ -151,7 +213,7 @@ class EngineLoop:
         if not stream.finished:
             stream.finished = True
             r = stream.request
-            stream.queue.put_nowait(
+            stream.emit(
                 OutputChunk(
                     [],
                     "",
@@ -211,7 +273,8 @@ class EngineLoop:
     async def run(self) -> None:
         while True:
             if (
-                not self.scheduler.has_unfinished_requests()
+                not self._in_flight
+                and not self.scheduler.has_unfinished_requests()
                 and not self.scheduler.has_pending_finished()
             ):
                 self._wakeup.clear()
@@ -220,9 +283,11 @@ class EngineLoop:
                 await self.step()
                 self._consecutive_failures = 0
             except WorkerError as exc:
+                self._in_flight.clear()
                 await self._on_worker_error(exc)
             except Exception as exc:  # a bug must fail its requests, never stop this loop
                 log.exception("engine_step_failed", worker=self.client.address)
+                self._in_flight.clear()
                 self.client.reset_stream()
                 self._fail_all(exc)
             # Let Generate handlers and aborts in between steps.
@@ -247,29 +312,44 @@ class EngineLoop:
             await self._reconnect(None)
 
     async def step(self) -> None:
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            self._wakeup.clear()
-            await self._wakeup.wait()
-            return
-        self._step_id += 1
-        plan.step_id = self._step_id
-        self._count_prompt_tokens(plan.num_scheduled_tokens)
-        result = await self.client.step(plan)
+        """One iteration: apply the oldest step in flight and publish its tokens.
+
+        With async scheduling the next plan is sent before the oldest result is read, so the
+        worker finds step n+1 waiting when it finishes step n, and the control plane applies
+        and publishes step n while the worker computes n+1 (see `Scheduler`). Without it, each
+        plan is made after the previous result.
+        """
+        if not self._in_flight:
+            if not await self._schedule_and_send():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                return
+        if self.async_scheduling and len(self._in_flight) == 1:
+            await self._schedule_and_send()
+        plan = self._in_flight[0]
+        result = await self.client.receive(plan)
+        self._in_flight.popleft()
         self.counters.num_steps += 1
         deltas = self.scheduler.update(plan, result)
         self._cache_events += self.scheduler.block_manager.drain_events()
         self._publish(deltas)
         self.on_step()
 
-    def _count_prompt_tokens(self, scheduled: dict[str, int]) -> None:
-        for req_id, n in scheduled.items():
-            req = self.scheduler.get_request(req_id)
-            if req is not None:
-                start = req.num_computed_tokens
-                self.counters.num_prompt_tokens_computed += max(
-                    0, min(start + n, req.num_prompt_tokens) - start
-                )
+    async def _schedule_and_send(self) -> bool:
+        """Sends the next plan; False when there is nothing to send."""
+        scheduler = self.scheduler
+        prompt_tokens = scheduler.num_prompt_tokens_scheduled
+        plan = scheduler.schedule()
+        self.counters.num_prompt_tokens_computed += (
+            scheduler.num_prompt_tokens_scheduled - prompt_tokens
+        )
+        if plan.is_empty:
+            return False
+        self._step_id += 1
+        plan.step_id = self._step_id
+        await self.client.send(plan)
+        self._in_flight.append(plan)
+        return True
 
     def _publish(self, deltas: list[RequestOutputDelta]) -> None:
         now = time.monotonic()
@@ -308,7 +388,7 @@ class EngineLoop:
                 stream.finished = True
                 self.streams.pop(client_id, None)
                 self.counters.num_requests_finished += 1
-            stream.queue.put_nowait(chunk)
+            stream.emit(chunk)
 
     async def _reconnect(self, timeout_s: float | None) -> bool:
         """Waits (up to timeout_s; None = for ever) for the worker to answer again. A restarted

@@ -9,6 +9,11 @@ token, which opens a gap of one again.
                     [ computed ...........|.. scheduled | not yet ]
                     0                 num_computed_tokens      num_tokens
 
+With a step in flight (async scheduling), a step that will sample leaves a pending output: a
+token the worker has sampled, or will, that the scheduler does not know yet. It counts toward
+`num_tokens_to_compute`, so the next step can already feed it back (the worker holds its id),
+and becomes an output token when its step's result is applied.
+
 Parallel sampling (sampling.n > 1): the request is a fork parent. It computes its prompt up to
 the last token and never samples; the scheduler then forks it into n children (`make_child`),
 each an ordinary n == 1 request that shares the parent's blocks, computes the last prompt token
@@ -79,6 +84,7 @@ class Request:
     parent_id: str | None = None
     index: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
+    num_pending_outputs: int = 0  # sampled by steps in flight, not applied yet
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -108,11 +114,12 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        """Where num_computed_tokens is headed: all tokens, or for a fork parent all but the
-        last prompt token (which each child computes itself, to sample from)."""
+        """Where num_computed_tokens is headed: all tokens (pending outputs included), or for a
+        fork parent all but the last prompt token (which each child computes itself, to sample
+        from)."""
         if self.is_fork_parent:
             return self.num_prompt_tokens - 1
-        return self.num_tokens
+        return self.num_tokens + self.num_pending_outputs
 
     @property
     def is_finished(self) -> bool:

@@ -22,7 +22,19 @@ Copy-on-write and the worker: the worker learns a replaced block only from a ful
 (`NewRequestData`). A copy is only ever needed on a request's first schedule after a fork, so a
 copy for a request the worker already knows is a bug, and `schedule()` asserts against it.
 
-A plan is only valid after the previous one was applied with `update()`.
+Async scheduling: `schedule()` moves every scheduled request's num_computed_tokens past the
+plan's tokens at once, and gives a request whose step will sample a pending output
+(`Request.num_pending_outputs`). So the next plan can be made while this one runs: it feeds
+the pending token back (the worker holds its id), continues a chunked prefill, and leaves out a
+request its pending output will end by length. One plan may be awaiting `update()` when the
+next is scheduled; results are applied in plan order. What the overlap changes:
+
+    * a request that ends by EOS, a stop token or a stop string has a step too many in flight;
+      its blocks are freed when it ends, the worker computes that step into them before any
+      later plan can reuse them (it runs plans in order), and its token is ignored;
+    * a request preempted while its step runs keeps that step's token (applied by update());
+      a fork parent whose prompt is all in flight is preempted by recompute, not swap, so that
+      it forks on readmission instead of resuming with nothing to compute.
 """
 
 from __future__ import annotations
@@ -124,6 +136,19 @@ class SchedulerStats:
         return self.num_preemptions_recompute + self.num_preemptions_swap
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A plan awaiting update(): the requests it scheduled, and the ids of those due to sample."""
+
+    plan: StepPlan
+    requests: dict[str, Request]
+    sampling: frozenset[str]
+
+
+# Plans that may await update() when schedule() is called: the step running, none beyond it.
+MAX_PLANS_AWAITING_UPDATE = 1
+
+
 @dataclass
 class _StepBudget:
     tokens: int
@@ -139,6 +164,7 @@ class _Counters:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     computed_tokens: int = 0
+    prompt_tokens: int = 0
     forks: int = 0
     copied_blocks: int = 0
 
@@ -164,7 +190,7 @@ class Scheduler:
         self._children: dict[str, list[str]] = {}  # forked parent -> its unfinished children
         self._finished_to_drop: list[str] = []  # the worker's state for these is stale
         self._next_step_id = 0
-        self._unapplied_plan: StepPlan | None = None  # scheduled tokens, not yet updated
+        self._in_flight: deque[_InFlight] = deque()  # plans with tokens, not yet updated
         self._counters = _Counters()
 
     # -- requests in and out ----------------------------------------------------------------
@@ -237,10 +263,12 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """The next step's plan (see the module docstring). A plan that schedules tokens must
-        be applied with update() before the next schedule(); one that schedules none need not.
+        be applied with update(), in order; one more may be scheduled before that (async
+        scheduling). A plan that schedules none needs no update().
         """
-        if self._unapplied_plan is not None:
-            raise RuntimeError(f"step {self._unapplied_plan.step_id} was scheduled, not updated")
+        if len(self._in_flight) > MAX_PLANS_AWAITING_UPDATE:
+            steps = [f.plan.step_id for f in self._in_flight]
+            raise RuntimeError(f"steps {steps} were scheduled, not updated")
         plan = StepPlan(step_id=self._next_step_id, finished_req_ids=self._finished_to_drop)
         self._next_step_id += 1
         self._finished_to_drop = []
@@ -251,15 +279,46 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
         if plan.num_scheduled_tokens:
-            self._unapplied_plan = plan
+            self._in_flight.append(self._advance(plan))
             self._counters.num_steps += 1
             self._counters.chunked_prefill_steps += budget.chunked
         return plan
+
+    def _advance(self, plan: StepPlan) -> _InFlight:
+        """Moves each scheduled request past this plan's tokens; one that reaches its last token
+        gets a pending output."""
+        requests: dict[str, Request] = {}
+        sampling: set[str] = set()
+        for req_id, num_new in plan.num_scheduled_tokens.items():
+            req = requests[req_id] = self._requests[req_id]
+            start = req.num_computed_tokens
+            self._counters.prompt_tokens += max(
+                0, min(start + num_new, req.num_prompt_tokens) - start
+            )
+            req.num_computed_tokens += num_new
+            if not req.is_fork_parent and req.num_computed_tokens == req.num_tokens_to_compute:
+                req.num_pending_outputs += 1
+                sampling.add(req_id)
+        return _InFlight(plan, requests, frozenset(sampling))
+
+    def _has_work(self, req: Request) -> bool:
+        """False for a running request whose remaining tokens are all in flight (a fork parent's
+        prompt), or whose pending outputs will end it by length."""
+        if req.num_computed_tokens >= req.num_tokens_to_compute:
+            return False
+        pending = req.num_pending_outputs
+        return not pending or (
+            req.num_output_tokens + pending < req.sampling.max_tokens
+            and req.num_tokens + pending < self.config.max_model_len
+        )
 
     def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
+            if not self._has_work(req):
+                i += 1
+                continue
             num_new = self._num_new_tokens(req, budget)
             while (slots := self._reserve(req, num_new)) is None:
                 victim = self.running.pop()  # the newest; never one scheduled before req
@@ -403,7 +462,10 @@ class Scheduler:
             self._unsent.remove(req.req_id)
         else:
             plan.finished_req_ids.append(req.req_id)
-        if self.config.preemption_mode == "swap":
+        # A fork parent with all its prompt in flight forks when readmitted (see the module
+        # docstring): swapped, it would resume with nothing to compute.
+        parent_done = req.is_fork_parent and req.num_computed_tokens == req.num_tokens_to_compute
+        if self.config.preemption_mode == "swap" and not parent_done:
             moves = self.block_manager.swap_out(req.req_id)
             if moves is not None:  # else the CPU pool is full: recompute instead
                 plan.swap_out.extend(moves)
@@ -429,36 +491,42 @@ class Scheduler:
         """
         if result.step_id != plan.step_id:
             raise ValueError(f"result for step {result.step_id}, plan is {plan.step_id}")
-        if plan.num_scheduled_tokens and plan is not self._unapplied_plan:
+        if plan.num_scheduled_tokens and (
+            not self._in_flight or plan is not self._in_flight[0].plan
+        ):
             raise RuntimeError(f"step {plan.step_id} is not the step awaiting update")
         extra = result.sampled.keys() - plan.num_scheduled_tokens.keys()
         if extra:
             raise ValueError(f"step {plan.step_id}: tokens for unscheduled requests {extra}")
-        live: list[tuple[Request, int]] = []
+        if not plan.num_scheduled_tokens:
+            return []
+        in_flight = self._in_flight[0]
+        live: list[tuple[Request, int, bool]] = []
         for req_id, num_new in plan.num_scheduled_tokens.items():
-            req = self._requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # finished from outside while the step ran
-            due = req.num_computed_tokens + num_new == req.num_tokens
+            req = in_flight.requests[req_id]
+            if self._requests.get(req_id) is not req:
+                continue  # finished (or forked) from outside while the step ran
+            due = req_id in in_flight.sampling
             if due != (req_id in result.sampled):
                 raise ValueError(
                     f"step {plan.step_id}: request {req_id} "
                     + ("sampled no token" if due else "sampled before its prefill was done")
                 )
-            live.append((req, num_new))
-        self._unapplied_plan = None
+            live.append((req, num_new, due))
+        self._in_flight.popleft()
 
         outputs: list[RequestOutputDelta] = []
-        for req, num_new in live:
-            req.num_computed_tokens += num_new
+        for req, num_new, due in live:
             self._counters.computed_tokens += num_new
-            self.block_manager.cache_full_blocks(req)
-            if req.is_fork_parent and req.num_computed_tokens == req.num_tokens_to_compute:
-                self._fork(req)
+            if req.status is RequestStatus.RUNNING:  # else preempted while the step ran
+                self.block_manager.cache_full_blocks(req)
+                if req.is_fork_parent and req.num_computed_tokens == req.num_tokens_to_compute:
+                    self._fork(req)
+                    continue
+            if not due:
                 continue
-            sampled = result.sampled.get(req.req_id)
-            if sampled is None:
-                continue
+            req.num_pending_outputs -= 1
+            sampled = result.sampled[req.req_id]
             req.output_token_ids.append(sampled.token_id)
             delta = RequestOutputDelta(
                 req_id=req.req_id,
@@ -537,6 +605,11 @@ class Scheduler:
         return bool(self._finished_to_drop)
 
     @property
+    def num_prompt_tokens_scheduled(self) -> int:
+        """Prompt tokens whose K/V the worker was told to compute, all plans together."""
+        return self._counters.prompt_tokens
+
+    @property
     def kv_usage(self) -> float:
         return self.block_manager.gpu_usage
 
@@ -579,8 +652,10 @@ class Scheduler:
                 seen.add(req.req_id)
                 assert req.status is status, f"{req.req_id} is {req.status} in the {status} queue"
                 assert self._requests.get(req.req_id) is req, f"{req.req_id} is not tracked"
+                pending = sum(req.req_id in f.sampling for f in self._in_flight)
+                assert req.num_pending_outputs == pending, f"{req.req_id}: pending outputs"
                 assert 0 <= req.num_computed_tokens < req.num_tokens or (
-                    self._unapplied_plan is not None
+                    self._in_flight and req.num_computed_tokens <= req.num_tokens_to_compute
                 ), f"{req.req_id}: computed {req.num_computed_tokens} of {req.num_tokens}"
         assert seen == set(self._requests), "tracked requests missing from every queue"
         seats = sum(r.sampling.n for r in self.running)

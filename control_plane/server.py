@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from control_plane.chat import render_chat
 from control_plane.config import ControlPlaneConfig
-from control_plane.engine import EngineLoop, OutputChunk
+from control_plane.engine import EngineLoop, OutputChunk, merge_chunks
 from control_plane.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
 from control_plane.request import Request, RequestStatus
 from control_plane.router import Router
@@ -91,7 +91,12 @@ class ControlPlane:
                 long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             )
             loop = EngineLoop(
-                client, info, sched_cfg, self.tokenizer, self.config.enable_prefix_caching
+                client,
+                info,
+                sched_cfg,
+                self.tokenizer,
+                self.config.enable_prefix_caching,
+                self.config.async_scheduling,
             )
             loop.hand_off = self.take_over
             loop.failover_after_s = self.config.worker_failover_s
@@ -208,7 +213,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             salt = request.cache_salt or None
             loop = await cp.admit(req_id, prompt_ids, sampling, salt)
             stream = loop.add_request(
-                Request(req_id, prompt_ids, sampling, time.monotonic(), cache_salt=salt)
+                Request(req_id, prompt_ids, sampling, time.monotonic(), cache_salt=salt),
+                final_only=request.output_kind == pb.OUTPUT_KIND_FINAL_ONLY,
             )
             rlog.info(
                 "request_admitted",
@@ -223,19 +229,24 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             return
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    code, message = _status_for(item)
-                    await context.abort(code, message)
-                    return
-                yield _chunk_to_proto(req_id, item, cp.tokenizer)
-                if item.last:
-                    rlog.info(
-                        "request_finished",
-                        finish_reason=item.finish_reason,
-                        completion_tokens=item.num_output_tokens,
-                    )
-                    return
+                # Everything queued since the last message goes out merged per completion: a
+                # client that reads slower than the engine steps gets fewer, larger messages.
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                for item in merge_chunks(items):
+                    if isinstance(item, BaseException):
+                        code, message = _status_for(item)
+                        await context.abort(code, message)
+                        return
+                    yield _chunk_to_proto(req_id, item, cp.tokenizer)
+                    if item.last:
+                        rlog.info(
+                            "request_finished",
+                            finish_reason=item.finish_reason,
+                            completion_tokens=item.num_output_tokens,
+                        )
+                        return
         finally:
             if not stream.finished:
                 # The client went away (or the server is stopping): free the blocks now.
@@ -362,6 +373,8 @@ def _chunk_to_proto(
         stop_reason=chunk.stop_reason or "",
         index=chunk.index,
     )
+    if chunk.time_to_first_token_s is not None:
+        msg.time_to_first_token_s = chunk.time_to_first_token_s
     for sampled in chunk.logprobs:
         lp = wire.logprobs_to_proto(sampled)
         if lp is not None:

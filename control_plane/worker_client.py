@@ -34,25 +34,37 @@ class WorkerClient:
             worker_pb2.DescribeRequest(), timeout=timeout, wait_for_ready=True
         )
 
-    async def step(self, plan: StepPlan) -> StepResult:
+    async def send(self, plan: StepPlan) -> None:
+        """Writes a plan to the Execute stream; its result is read with receive()."""
         try:
             if self._call is None:
                 self._call = self.stub.Execute()
             await self._call.write(wire.plan_to_proto(plan))
+        except grpc.aio.AioRpcError as exc:
+            raise self._failed(f"{exc.code().name}: {exc.details()}") from exc
+        except asyncio.InvalidStateError as exc:  # the stream ended while we were idle
+            raise self._failed("the Execute stream has ended") from exc
+
+    async def receive(self, plan: StepPlan) -> StepResult:
+        """Reads the result of the plan sent last."""
+        if self._call is None:
+            raise WorkerError(f"worker {self.address}: no plan is in flight")
+        try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            self._call = None
-            raise WorkerError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
-        except asyncio.InvalidStateError as exc:  # the stream ended while we were idle
-            self._call = None
-            raise WorkerError(f"worker {self.address}: the Execute stream has ended") from exc
+            raise self._failed(f"{exc.code().name}: {exc.details()}") from exc
+        except asyncio.InvalidStateError as exc:
+            raise self._failed("the Execute stream has ended") from exc
         if msg is grpc.aio.EOF:
-            self._call = None
-            raise WorkerError(f"worker {self.address} closed the Execute stream")
+            raise self._failed("closed the Execute stream")
         result = wire.result_from_proto(msg)
         if result.step_id != plan.step_id:
             raise WorkerError(f"worker answered step {result.step_id} to plan {plan.step_id}")
         return result
+
+    def _failed(self, why: str) -> WorkerError:
+        self._call = None
+        return WorkerError(f"worker {self.address}: {why}")
 
     def reset_stream(self) -> None:
         if self._call is not None:

@@ -97,6 +97,9 @@ class Gateway:
     async def run(
         self, request: Request, body: SamplingFields, choices: list[Choice], fmt: Format
     ) -> Response:
+        if not body.stream:  # one message per completion, not one per token
+            for c in choices:
+                c.request.output_kind = pb.OUTPUT_KIND_FINAL_ONLY
         events = stream_choices(
             self.upstream, choices, self.metrics, fmt.model, self.config.retry_after_s
         )

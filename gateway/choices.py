@@ -105,7 +105,8 @@ async def stream_choices(
 
     async def pump(choice: Choice) -> None:
         call = upstream.generate(choice.request)
-        timer = metrics.timer(model_name)
+        final_only = choice.request.output_kind == pb.OUTPUT_KIND_FINAL_ONLY
+        timer = metrics.timer(model_name, final_only)
         try:
             async for msg in call:
                 timer.on_message(msg)

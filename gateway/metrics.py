@@ -152,8 +152,8 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def timer(self, model_name: str) -> RequestTimer:
-        return RequestTimer(self, model_name)
+    def timer(self, model_name: str, final_only: bool = False) -> RequestTimer:
+        return RequestTimer(self, model_name, final_only)
 
     def render(self, snapshot: pb.StatsResponse | None, model_name: str) -> bytes:
         self.stats.snapshot = snapshot
@@ -162,17 +162,24 @@ class GatewayMetrics:
 
 
 class RequestTimer:
-    """Times one upstream Generate stream, from the call to its final message."""
+    """Times one upstream Generate stream, from the call to its final message. A final-only
+    stream's first token is timed by the control plane (time_to_first_token_s); it has no
+    inter-token latencies to observe."""
 
-    def __init__(self, metrics: GatewayMetrics, model_name: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, model_name: str, final_only: bool = False) -> None:
         self.m = metrics
         self.model_name = model_name
+        self.final_only = final_only
         self.start = time.monotonic()
         self.last: float | None = None
 
     def on_message(self, msg: pb.GenerateResponse) -> None:
         now = time.monotonic()
-        if msg.token_ids:
+        if self.final_only:
+            if self.last is None and msg.time_to_first_token_s:
+                self.m.ttft.labels(self.model_name).observe(msg.time_to_first_token_s)
+                self.last = now
+        elif msg.token_ids:
             if self.last is None:
                 self.m.ttft.labels(self.model_name).observe(now - self.start)
             else:

@@ -102,6 +102,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
         tokenizer=a.tokenizer,
         served_model_name=a.served_model_name,
         enable_prefix_caching=not a.no_prefix_caching,
+        async_scheduling=not a.no_async_scheduling,
         worker_failover_s=a.worker_failover_timeout,
     )
     try:
@@ -206,6 +207,12 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(p, "--redis-url", default=None, help="Redis for the prefix-hash index")
     _flag(p, "--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks")
+    _flag(
+        p,
+        "--no-async-scheduling",
+        action="store_true",
+        help="plan each step only after the previous one's result (no overlap with the worker)",
+    )
     _flag(
         p,
         "--worker-failover-timeout",

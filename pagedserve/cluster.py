@@ -182,6 +182,7 @@ SCHEDULER_FLAGS = [
     "max-waiting",
     "served-model-name",
     "no-prefix-caching",
+    "no-async-scheduling",
     "worker-failover-timeout",
 ]
 GATEWAY_FLAGS = ["max-request-bytes", "graceful-shutdown-timeout"]

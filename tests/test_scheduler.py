@@ -11,7 +11,7 @@ are a function of the context and the seed alone, so every request's output must
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,11 +46,19 @@ def next_token(context: Sequence[int], seed: int | None = None) -> int:
     return 10 + h % 1000
 
 
-def reference_output(prompt: Sequence[int], max_tokens: int, seed: int | None = None) -> list[int]:
+def reference_output(
+    prompt: Sequence[int], max_tokens: int, seed: int | None = None, stop: Sequence[int] = ()
+) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(next_token(tokens, seed))
+        if tokens[-1] in stop:
+            break
     return tokens[len(prompt) :]
+
+
+# Stop token ids that end about a third of the machine's requests' steps.
+MACHINE_STOP_IDS = tuple(range(10, 310))
 
 
 @dataclass
@@ -579,8 +587,6 @@ def test_update_rejects_results_that_do_not_fit_the_plan() -> None:
     sched.add_request(request("a", 3))
     plan = sched.schedule()
     assert plan.num_scheduled_tokens == {"a": 2}
-    with pytest.raises(RuntimeError):
-        sched.schedule()
     with pytest.raises(ValueError, match="before its prefill"):
         sched.update(plan, StepResult(plan.step_id, {"a": SampledToken(1)}))
     with pytest.raises(ValueError, match="unscheduled"):
@@ -588,11 +594,18 @@ def test_update_rejects_results_that_do_not_fit_the_plan() -> None:
     with pytest.raises(ValueError, match="result for step"):
         sched.update(plan, StepResult(plan.step_id + 1))
     a = sched.get_request("a")
-    assert a is not None and a.num_computed_tokens == 0  # nothing applied
+    assert a is not None and a.output_token_ids == []  # nothing applied
+    assert sched.stats().num_computed_tokens == 0
+    ahead = sched.schedule()  # the next step may be planned while this one runs ...
+    assert ahead.num_scheduled_tokens == {"a": 1}
+    with pytest.raises(RuntimeError, match="not updated"):
+        sched.schedule()  # ... but not the one after
+    with pytest.raises(RuntimeError, match="not the step awaiting"):
+        sched.update(ahead, StepResult(ahead.step_id))  # results apply in plan order
     sched.update(plan, worker.execute(plan))
-    plan = sched.schedule()
+    worker.execute(ahead)
     with pytest.raises(ValueError, match="sampled no token"):
-        sched.update(plan, StepResult(plan.step_id))
+        sched.update(ahead, StepResult(ahead.step_id))
 
 
 def test_add_request_rejects_what_can_never_finish() -> None:
@@ -643,8 +656,9 @@ SHARED_PREFIX = [900 + i for i in range(10)]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals (some sharing a prompt prefix, some with n > 1), steps and aborts;
-    integrity after every rule, and every request or child that finishes by length carries
+    """Random arrivals (some sharing a prompt prefix, some with n > 1, some ended by stop
+    tokens), steps (sync, or async with the next plan run before the last is applied) and
+    aborts; integrity after every rule, and every request or child that finishes carries
     exactly the reference tokens for its seed."""
 
     def __init__(self) -> None:
@@ -652,8 +666,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched, self.worker = make(4)
         self.next_id = 0
         self.streamed: dict[str, list[int]] = defaultdict(list)
-        self.asked: dict[str, tuple[list[int], int, int | None]] = {}
+        self.asked: dict[str, tuple[list[int], int, int | None, tuple[int, ...]]] = {}
         self.live: set[str] = set()  # client request ids (a parent for n > 1)
+        self.async_scheduling = False
+        # Plans the worker has run whose results are not applied yet (async scheduling: the
+        # worker runs each plan when it is sent, the scheduler hears of it a step later).
+        self.running: deque[tuple[StepPlan, StepResult]] = deque()
 
     @initialize(
         mode=st.sampled_from(["recompute", "swap"]),
@@ -664,6 +682,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold=st.none() | st.integers(1, 8),
         max_num_seqs=st.integers(1, 5),
         prefix_caching=st.booleans(),
+        async_scheduling=st.booleans(),
     )
     def setup(
         self,
@@ -675,7 +694,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold: int | None,
         max_num_seqs: int,
         prefix_caching: bool,
+        async_scheduling: bool,
     ) -> None:
+        self.async_scheduling = async_scheduling
         self.sched, self.worker = make(
             num_gpu_blocks,
             num_cpu_blocks,
@@ -693,15 +714,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         shared=st.integers(0, 10),
         n=st.sampled_from([1, 1, 2, 3]),
         seed=st.none() | st.integers(0, 3),
+        stops=st.booleans(),
     )
-    def add(self, prompt_len: int, max_tokens: int, shared: int, n: int, seed: int | None) -> None:
+    def add(
+        self, prompt_len: int, max_tokens: int, shared: int, n: int, seed: int | None, stops: bool
+    ) -> None:
         self.next_id += 1
         req_id = f"q{self.next_id}"
         prompt = (SHARED_PREFIX[:shared] + [self.next_id * 20 + i for i in range(prompt_len)])[
             :prompt_len
         ]
-        req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, n=n, seed=seed))
-        self.asked[req_id] = (prompt, max_tokens, seed)
+        stop = MACHINE_STOP_IDS if stops else ()
+        sp = SamplingParams(max_tokens=max_tokens, n=n, seed=seed, stop_token_ids=stop)
+        req = Request(req_id, prompt, sp)
+        self.asked[req_id] = (prompt, max_tokens, seed, stop)
         try:
             self.sched.add_request(req)
         except InvalidRequestError:
@@ -713,17 +739,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             self.live.add(req_id)
 
-    @rule()
-    def step(self) -> None:
+    def _send(self) -> None:
         plan = self.sched.schedule()
         self.sched.check_integrity()
-        for d in self.sched.update(plan, self.worker.execute(plan)):
+        self.running.append((plan, self.worker.execute(plan)))
+
+    @rule()
+    def step(self) -> None:
+        """Sync: schedule, run, update. Async: keep the next plan running while the previous
+        one's result is applied."""
+        if not self.running:
+            self._send()
+        if self.async_scheduling and len(self.running) == 1:
+            self._send()
+        plan, result = self.running.popleft()
+        for d in self.sched.update(plan, result):
             self.streamed[d.req_id] += d.new_token_ids
             client = d.parent_id or d.req_id
             if d.finished:
-                prompt, max_tokens, seed = self.asked[client]
+                prompt, max_tokens, seed, stop = self.asked[client]
                 seed = child_seed(seed, d.index) if d.parent_id else seed
-                assert self.streamed[d.req_id] == reference_output(prompt, max_tokens, seed)
+                assert self.streamed[d.req_id] == reference_output(prompt, max_tokens, seed, stop)
             if d.all_finished:
                 self.live.remove(client)
 
@@ -755,6 +791,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.sched.has_unfinished_requests():
                 break
             self.step()
+        while self.running:
+            plan, result = self.running.popleft()
+            assert self.sched.update(plan, result) == []  # every request had finished
         self.worker.execute(self.sched.schedule())
         assert self.worker.reqs == {} and not self.sched.has_unfinished_requests()
         self.sched.check_integrity()

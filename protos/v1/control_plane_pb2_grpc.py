@@ -60,7 +60,8 @@ class ControlPlaneServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams the request's tokens as they are generated; the last message has finish_reason.
+        """Streams the request's tokens as they are generated (or, with OUTPUT_KIND_FINAL_ONLY, one
+        message per completion when it ends); the last message has finish_reason.
         INVALID_ARGUMENT: the request can never be served (the message names the limit).
         RESOURCE_EXHAUSTED: the waiting queue is full; retry later.
         """
