@@ -86,10 +86,10 @@ def run_paged(
     steps: list[StepSample] = []
     while sched.has_unfinished_requests():
         plan = sched.schedule()
-        due = {
+        due = {  # the requests this plan left a pending output to
             rid: SampledToken(SAMPLED_TOKEN)
-            for rid, n in plan.num_scheduled_tokens.items()
-            if reqs[rid].num_computed_tokens + n == reqs[rid].num_tokens
+            for rid in plan.num_scheduled_tokens
+            if reqs[rid].num_pending_outputs
         }
         sched.update(plan, StepResult(plan.step_id, sampled=due))
         running = [reqs[rid] for rid in plan.num_scheduled_tokens if not reqs[rid].is_finished]

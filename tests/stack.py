@@ -118,7 +118,8 @@ def sampling(**kw: Any) -> common_pb2.SamplingParams:
 
 def request(prompt: str | list[int], **kw: Any) -> pb.GenerateRequest:
     req_id = kw.pop("request_id", "")
-    req = pb.GenerateRequest(request_id=req_id, sampling=sampling(**kw))
+    kind = kw.pop("output_kind", pb.OUTPUT_KIND_DELTA)
+    req = pb.GenerateRequest(request_id=req_id, sampling=sampling(**kw), output_kind=kind)
     if isinstance(prompt, str):
         req.text = prompt
     else:

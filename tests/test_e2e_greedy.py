@@ -47,10 +47,13 @@ def case(
     return model_dir, prompts, max_tokens, expected
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize(
+    ("preemption", "scheduling"), [("recompute", "async"), ("swap", "async"), ("recompute", "sync")]
+)
 def test_greedy_matches_transformers(
     case: tuple[Path, list[list[int]], list[int], list[list[int]]],
     preemption: str,
+    scheduling: str,
     spawn: Callable[..., ServerProcess],
 ) -> None:
     model_dir, prompts, max_tokens, expected = case
@@ -67,6 +70,7 @@ def test_greedy_matches_transformers(
             str(MAX_BATCHED_TOKENS),
             "--max-num-seqs",
             "16",
+            *(["--no-async-scheduling"] if scheduling == "sync" else []),
         ),
     )
 

@@ -191,6 +191,32 @@ def test_n16_streams_every_index_and_frees_its_blocks(stack: Stack) -> None:
     assert wait_all_free(stack).workers[0].num_free_gpu_blocks == NUM_GPU_BLOCKS
 
 
+def test_final_only_output_is_the_streamed_output_in_one_message(stack: Stack) -> None:
+    kw = dict(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True, logprobs=2)
+    prompt = list(range(20, 60))
+    streamed = generate(stack.stub, prompt, **kw)
+    assert len(streamed.chunks) > 1
+    final = generate(stack.stub, prompt, output_kind=pb.OUTPUT_KIND_FINAL_ONLY, **kw)
+    [msg] = final.chunks
+    assert (final.token_ids, final.text) == (streamed.token_ids, streamed.text)
+    # float32 logits of one row vary in the last bits with the batch around it
+    assert [lp.logprob for lp in msg.logprobs] == pytest.approx(
+        [lp.logprob for c in streamed.chunks for lp in c.logprobs], abs=1e-4
+    )
+    assert (msg.finish_reason, msg.completion_tokens) == ("length", 30)
+    assert 0 < msg.time_to_first_token_s < 60
+    # n = 3: one message per completion, each with all its tokens.
+    n3 = list(
+        stack.stub.Generate(
+            request(prompt, n=3, output_kind=pb.OUTPUT_KIND_FINAL_ONLY, **kw), timeout=60
+        )
+    )
+    assert sorted(m.index for m in n3) == [0, 1, 2]
+    assert all(len(m.token_ids) == 30 and m.finish_reason == "length" for m in n3)
+    assert next(m for m in n3 if m.index == 0).token_ids == streamed.token_ids
+    wait_all_free(stack)
+
+
 def test_unknown_model(stack: Stack) -> None:
     req = request([5, 6], max_tokens=2)
     req.model = "no-such-model"
