@@ -37,6 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import Workload
+from gpu_worker.config import WorkerConfig
+
+# The decode batch sizes whose projection kernels our model code builds before it is timed:
+# the worker's startup default, so every system over our model code starts equally warm.
+WARMUP_BATCH_SIZE = WorkerConfig.warmup_batch_size
 
 
 @dataclass
@@ -308,6 +313,7 @@ def torch_bound(model: Path, wl: Workload, decode_kernel: bool = False) -> Syste
             return SystemRun(name, skipped="the CPU decode kernel cannot be built here")
         attn_cls = _ContiguousKernelAttention
     m = load_model(model, dtype=torch.float32)
+    m.warm_up(WARMUP_BATCH_SIZE)  # as the worker does at startup
     # One short untimed pass first, as the other systems get: oneDNN and SDPA set up.
     _bound_generate(m, Workload("warm-up", [p[:8] for p in wl.prompts[:2]], [3, 3]), attn_cls)
     start = time.perf_counter()

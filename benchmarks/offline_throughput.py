@@ -108,6 +108,7 @@ def run_engine_in_process(model: Path, wl: Workload, opts: StackOptions) -> Syst
     from pagedserve.sampling_params import SamplingParams
 
     m = load_model(model, dtype=torch.float32)
+    m.warm_up(baselines.WARMUP_BATCH_SIZE)  # as the worker does at startup
     c = m.config
     geometry = CacheGeometry(
         c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16, torch.float32

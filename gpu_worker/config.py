@@ -30,6 +30,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048  # size of the profiling pass on CUDA
     num_threads: int | None = None
+    warmup_batch_size: int = 128  # decode batch sizes whose CPU kernels are built at startup
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,6 +43,8 @@ class WorkerConfig:
             raise ValueError("kv_cache_memory must be > 0 and swap_space >= 0")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.warmup_batch_size < 0:
+            raise ValueError("warmup_batch_size must be >= 0")
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 

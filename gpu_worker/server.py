@@ -6,12 +6,15 @@ The servicer is thin: protobuf -> plan (pagedserve.wire) -> ModelRunner -> proto
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -31,8 +34,46 @@ from protos.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
 
+T = TypeVar("T")
+
 # A second Execute stream waits this long for the first to end before being refused.
 STREAM_ACQUIRE_TIMEOUT_S = 30.0
+
+
+class ModelThread:
+    """Runs every torch call of the worker on one thread: the one that calls `run()`.
+
+    OpenMP gives each thread that starts parallel work its own team. With a second team (the
+    model loaded on the main thread, steps on a gRPC thread) the process has more OpenMP
+    threads than cores, and libgomp then stops spinning between parallel regions: every small
+    op pays a futex wake-up, ~30% of a CPU decode step. The thread that loads the model runs
+    the steps too, handed over from the gRPC threads through a queue.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[futures.Future[Any], Callable[[], Any]]] = (
+            queue.SimpleQueue()
+        )
+
+    def submit(self, fn: Callable[[], T]) -> futures.Future[T]:
+        future: futures.Future[T] = futures.Future()
+        self._calls.put((future, fn))
+        return future
+
+    def run(self, stopped: Callable[[], bool], poll_s: float = 0.25) -> None:
+        """Runs submitted calls until `stopped()` (asked whenever none came for poll_s)."""
+        while True:
+            try:
+                future, fn = self._calls.get(timeout=poll_s)
+            except queue.Empty:
+                if stopped():
+                    return
+                continue
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # the caller re-raises it
+                    future.set_exception(exc)
 
 
 @dataclass
@@ -47,6 +88,9 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         torch.set_num_threads(cfg.num_threads)
     dtype = cfg.torch_dtype
     model = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    t0 = time.perf_counter()
+    if calls := model.warm_up(cfg.warmup_batch_size):
+        log.info("kernels_warmed_up", calls=calls, seconds=round(time.perf_counter() - t0, 2))
     mc = model.config
     geometry = CacheGeometry(
         num_layers=mc.num_hidden_layers,
@@ -108,8 +152,9 @@ def _num_device_blocks(cfg: WorkerConfig, geometry: CacheGeometry, model: Causal
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, model: ModelThread) -> None:
         self.worker = worker
+        self.model = model
         self._stream_lock = threading.Lock()
 
     def Describe(
@@ -128,7 +173,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.info("execute_stream_opened", peer=context.peer())
             for msg in request_iterator:
                 try:
-                    result = runner.execute(wire.plan_from_proto(msg))
+                    plan = wire.plan_from_proto(msg)
+                    result = self.model.submit(partial(runner.execute, plan)).result()
                 except (PlanError, InvalidRequestError, ValueError) as exc:
                     log.error("bad_plan", step_id=msg.step_id, error=str(exc))
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -140,7 +186,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
-    """Loads the model and serves until the process is stopped."""
+    """Loads the model and serves until the process is stopped; the calling thread runs the
+    model (see ModelThread)."""
+    model = ModelThread()
     worker = build_worker(cfg)
     log.info(
         "worker_ready",
@@ -164,7 +212,7 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
         ("grpc.http2.max_pings_without_data", 0),
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, model), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -181,7 +229,8 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
     if ready is not None:
         ready.set()
     try:
-        server.wait_for_termination()
+        # wait_for_termination returns True when it timed out, i.e. the server still runs.
+        model.run(stopped=lambda: not server.wait_for_termination(timeout=0))
     except KeyboardInterrupt:
         pass
     finally:

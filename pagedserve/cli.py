@@ -78,6 +78,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
         served_model_name=a.served_model_name,
         max_model_len=a.max_model_len,
         num_threads=a.num_threads,
+        warmup_batch_size=a.warmup_batch_size,
     )
     serve(cfg)
     return 0
@@ -185,6 +186,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(p, "--max-model-len", type=int, default=None, help="cap the context length")
     _flag(p, "--num-threads", type=int, default=None, help="torch intra-op threads")
+    _flag(
+        p,
+        "--warmup-batch-size",
+        type=int,
+        default=128,
+        help="build the CPU projection kernels for batches of 1..N rows at startup (0: none)",
+    )
 
 
 def _scheduler_flags(p: argparse.ArgumentParser) -> None:

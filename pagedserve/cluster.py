@@ -172,6 +172,7 @@ WORKER_FLAGS = [
     "attention-backend",
     "max-model-len",
     "num-threads",
+    "warmup-batch-size",
     "served-model-name",
 ]
 SCHEDULER_FLAGS = [

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -207,6 +208,33 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[R, hidden]` -> `[R, vocab]` in float32 (float64 for a float64 model)."""
         return _linear(hidden, self.lm_head, None, self.lm_head_packed).to(self.logits_dtype)
+
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int) -> int:
+        """Runs every distinct prepacked projection once for each row count 1..max_rows.
+
+        oneDNN builds (and caches) a kernel the first time a projection sees a row count;
+        decode batches of every size would otherwise pay for that on their first step. Only
+        the prepacked CPU path has such kernels: elsewhere this does nothing. Returns the
+        projection calls made.
+        """
+        layer = cast(DecoderLayer, self.layers[0])
+        projections: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = [
+            (layer.qkv_weight, layer.qkv_bias, layer.qkv_packed),
+            (layer.o_weight, layer.o_bias, layer.o_packed),
+            (layer.gate_up_weight, None, layer.gate_up_packed),
+            (layer.down_weight, None, layer.down_packed),
+            (self.lm_head, None, self.lm_head_packed),
+        ]
+        calls = 0
+        for weight, bias, packed in projections:
+            if packed is None:
+                continue
+            x = torch.zeros(max_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            for rows in range(1, max_rows + 1):
+                _linear(x[:rows], weight, bias, packed)
+                calls += 1
+        return calls
 
     def checkpoint_tensor_names(self) -> list[str]:
         """HF names of every tensor `load_weights` reads."""
