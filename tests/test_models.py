@@ -218,3 +218,11 @@ def test_config_of_generated_checkpoint(checkpoint: Path) -> None:
     assert config.tie_word_embeddings == hf.tie_word_embeddings
     assert config.eos_token_ids == (2,)
     assert config.max_model_len == hf.max_position_embeddings
+
+
+def test_warm_up_builds_every_prepacked_projection_once_per_row_count(micro_llama: Path) -> None:
+    model = load_model(micro_llama, dtype=torch.float32)
+    packed = model.layers[0].qkv_packed is not None
+    # qkv, o, gate_up, down and the LM head, for 1..8 rows; nothing without oneDNN packing.
+    assert model.warm_up(8) == (5 * 8 if packed else 0)
+    assert load_model(micro_llama, dtype=torch.float64).warm_up(8) == 0
