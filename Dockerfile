@@ -32,11 +32,16 @@ RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM base AS cpu
 ARG TORCH_VERSION
+# The CPU decode kernel is C, compiled with the system compiler (here, once, at build time).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # The CPU build of torch first, so that the package's torch pin does not pull CUDA.
 RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY --from=wheel /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels \
-    && python -c "from gpu_worker.model_init import ensure_default_model as m; print(m())"
+    && python -c "from gpu_worker.model_init import ensure_default_model as m; print(m())" \
+    && python -c "from gpu_worker.attention import cpu_decode as k; assert k.load() is not None"
 USER pagedserve
 EXPOSE 8000 50051 50061
 ENTRYPOINT ["pagedserve"]

@@ -8,6 +8,7 @@ import argparse
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,15 @@ def host_port(address: str) -> tuple[str, int]:
 def dockerfile_targets() -> set[str]:
     text = (ROOT / "Dockerfile").read_text()
     return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, flags=re.MULTILINE | re.IGNORECASE))
+
+
+def test_the_package_ships_the_cpu_decode_kernel_source() -> None:
+    from gpu_worker.attention import cpu_decode
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["gpu_worker"]
+    shipped = {p for g in globs for p in (ROOT / "gpu_worker").glob(g)}
+    assert cpu_decode.SOURCE.resolve() in {p.resolve() for p in shipped}
 
 
 def test_dockerfile_targets_and_entrypoint() -> None:
