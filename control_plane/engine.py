@@ -107,9 +107,12 @@ class RequestStream:
     queue: asyncio.Queue[OutputChunk | BaseException] = field(default_factory=asyncio.Queue)
     finished: bool = False
     first_token_time: float | None = None
+    finished_indexes: set[int] = field(default_factory=set)  # completions that ended
     _held: dict[int, OutputChunk] = field(default_factory=dict)
 
     def emit(self, chunk: OutputChunk) -> None:
+        if chunk.finish_reason is not None:
+            self.finished_indexes.add(chunk.index)
         if chunk.ends_completion and self.first_token_time is not None:
             chunk.time_to_first_token_s = self.first_token_time - self.request.arrival_time
         if self.final_only:
@@ -212,18 +215,15 @@ class EngineLoop:
         self.counters.num_requests_aborted += 1
         if not stream.finished:
             stream.finished = True
+            # Every completion still open ends with "abort", the last of them closing the call.
             r = stream.request
-            stream.emit(
-                OutputChunk(
-                    [],
-                    "",
-                    [],
-                    r.num_prompt_tokens,
-                    sum(stream.num_output_tokens),
-                    "abort",
-                    last=True,
+            open_ = [i for i in range(r.sampling.n) if i not in stream.finished_indexes]
+            for k, i in enumerate(open_):
+                count = stream.num_output_tokens[i]
+                last = k == len(open_) - 1
+                stream.emit(
+                    OutputChunk([], "", [], r.num_prompt_tokens, count, "abort", index=i, last=last)
                 )
-            )
         self._wakeup.set()
         return True
 
@@ -353,6 +353,7 @@ class EngineLoop:
 
     def _publish(self, deltas: list[RequestOutputDelta]) -> None:
         now = time.monotonic()
+        chunks: list[tuple[str, RequestStream, OutputChunk]] = []
         for d in deltas:
             client_id = d.parent_id or d.req_id
             stream = self.streams.get(client_id)
@@ -366,13 +367,11 @@ class EngineLoop:
             text = stream.detokenizers[d.index].add(d.new_token_ids, d.finished)
             finish_reason: str | None = d.finish_reason
             stop_reason = None if d.stop_reason is None else str(d.stop_reason)
-            all_finished = d.all_finished
             if text.stop_string is not None:
                 finish_reason, stop_reason = "stop", text.stop_string
                 if not d.finished:
                     # A stop string ends this completion only; its siblings go on.
                     self.scheduler.finish_requests([d.req_id], RequestStatus.FINISHED_STOPPED)
-                    all_finished = not self.scheduler.live_requests(client_id)
             chunk = OutputChunk(
                 token_ids=d.new_token_ids,
                 text=text.text,
@@ -382,9 +381,15 @@ class EngineLoop:
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 index=d.index,
-                last=all_finished,
             )
-            if all_finished:
+            chunks.append((client_id, stream, chunk))
+        # A client's call ends with its last chunk of this step once none of its completions
+        # is live: decided after every delta, since a stop string can end a completion after
+        # a sibling's delta of the same step was built.
+        last_of = {client_id: i for i, (client_id, _, _) in enumerate(chunks)}
+        for i, (client_id, stream, chunk) in enumerate(chunks):
+            if last_of[client_id] == i and not self.scheduler.live_requests(client_id):
+                chunk.last = True
                 stream.finished = True
                 self.streams.pop(client_id, None)
                 self.counters.num_requests_finished += 1

@@ -652,7 +652,10 @@ class Scheduler:
                 seen.add(req.req_id)
                 assert req.status is status, f"{req.req_id} is {req.status} in the {status} queue"
                 assert self._requests.get(req.req_id) is req, f"{req.req_id} is not tracked"
-                pending = sum(req.req_id in f.sampling for f in self._in_flight)
+                pending = sum(
+                    f.requests.get(req.req_id) is req and req.req_id in f.sampling
+                    for f in self._in_flight
+                )
                 assert req.num_pending_outputs == pending, f"{req.req_id}: pending outputs"
                 assert 0 <= req.num_computed_tokens < req.num_tokens or (
                     self._in_flight and req.num_computed_tokens <= req.num_tokens_to_compute

@@ -391,7 +391,8 @@ async def serve(config: ControlPlaneConfig) -> None:
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 16 << 20),
-            ("grpc.max_send_message_length", 16 << 20),
+            # A final-only message carries a whole completion (~300 B a token with logprobs).
+            ("grpc.max_send_message_length", 128 << 20),
         ]
     )
     pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneServicer(cp), server)

@@ -9,7 +9,7 @@ from protos.v1 import control_plane_pb2 as pb
 from protos.v1 import control_plane_pb2_grpc as pb_grpc
 
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_receive_message_length", 128 << 20),  # a final-only completion is one message
     ("grpc.max_send_message_length", 16 << 20),
     ("grpc.keepalive_time_ms", 30_000),
 ]

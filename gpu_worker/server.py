@@ -54,26 +54,52 @@ class ModelThread:
         self._calls: queue.SimpleQueue[tuple[futures.Future[Any], Callable[[], Any]]] = (
             queue.SimpleQueue()
         )
+        self._lock = threading.Lock()
+        self._closed = False
 
     def submit(self, fn: Callable[[], T]) -> futures.Future[T]:
+        """Queues a call; once `run()` has returned, the future fails with WorkerStopping."""
         future: futures.Future[T] = futures.Future()
-        self._calls.put((future, fn))
+        with self._lock:
+            if self._closed:
+                future.set_exception(WorkerStopping("the worker is stopping"))
+            else:
+                self._calls.put((future, fn))
         return future
 
     def run(self, stopped: Callable[[], bool], poll_s: float = 0.25) -> None:
-        """Runs submitted calls until `stopped()` (asked whenever none came for poll_s)."""
-        while True:
-            try:
-                future, fn = self._calls.get(timeout=poll_s)
-            except queue.Empty:
-                if stopped():
-                    return
-                continue
-            if future.set_running_or_notify_cancel():
+        """Runs submitted calls until `stopped()` (asked whenever none came for poll_s) or an
+        interrupt; then fails every call still queued, so that no caller waits for ever."""
+        try:
+            while True:
                 try:
-                    future.set_result(fn())
-                except BaseException as exc:  # the caller re-raises it
-                    future.set_exception(exc)
+                    future, fn = self._calls.get(timeout=poll_s)
+                except queue.Empty:
+                    if stopped():
+                        return
+                    continue
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as exc:  # the caller re-raises it
+                        future.set_exception(exc)
+                    except BaseException:  # an interrupt stops the worker, not this call only
+                        future.set_exception(WorkerStopping("the worker is stopping"))
+                        raise
+        finally:
+            with self._lock:
+                self._closed = True
+            while True:
+                try:
+                    future, _ = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(WorkerStopping("the worker is stopping"))
+
+
+class WorkerStopping(RuntimeError):
+    """A step submitted while (or after) the worker stops."""
 
 
 @dataclass
@@ -178,6 +204,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except (PlanError, InvalidRequestError, ValueError) as exc:
                     log.error("bad_plan", step_id=msg.step_id, error=str(exc))
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                except WorkerStopping as exc:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 yield wire.result_to_proto(result)
             log.info("execute_stream_closed")
         finally:

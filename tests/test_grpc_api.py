@@ -152,6 +152,34 @@ def test_abort_rpc(stack: Stack) -> None:
     assert not stack.stub.Abort(pb.AbortRequest(request_id="to-abort")).found
 
 
+@pytest.mark.parametrize("kind", [pb.OUTPUT_KIND_DELTA, pb.OUTPUT_KIND_FINAL_ONLY])
+def test_abort_ends_every_completion_with_its_own_count(stack: Stack, kind: int) -> None:
+    call = stack.stub.Generate(
+        request(
+            list(range(5, 105)),
+            request_id=f"abort-n3-{kind}",
+            n=3,
+            max_tokens=900,
+            temperature=1.0,
+            seed=1,
+            ignore_eos=True,
+            output_kind=kind,
+        )
+    )
+    # Wait until the completions are generating, then abort them all.
+    deadline = time.monotonic() + 30
+    while stack.stats().workers[0].num_running < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stack.stub.Abort(pb.AbortRequest(request_id=f"abort-n3-{kind}")).found
+    msgs = list(call)
+    ended = {m.index: m for m in msgs if m.finish_reason}
+    assert sorted(ended) == [0, 1, 2] and {m.finish_reason for m in ended.values()} == {"abort"}
+    for i, m in ended.items():  # each completion's own token count, not the request's total
+        assert m.completion_tokens == sum(len(x.token_ids) for x in msgs if x.index == i)
+    assert msgs[-1].finish_reason == "abort"
+    wait_all_free(stack)
+
+
 @pytest.mark.parametrize(
     ("prompt", "kw", "code", "needle"),
     [

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gpu_worker.server import ModelThread
+from gpu_worker.server import ModelThread, WorkerStopping
 
 
 def test_submitted_calls_run_on_the_running_thread_and_keep_their_errors() -> None:
@@ -29,3 +29,19 @@ def test_submitted_calls_run_on_the_running_thread_and_keep_their_errors() -> No
     model.run(stopped=stop.is_set, poll_s=0.01)
     t.join()
     assert results == [seen[0], 42]  # the first call ran here, not on the client's thread
+
+
+def test_an_interrupt_stops_the_thread_and_fails_every_waiting_call() -> None:
+    model = ModelThread()
+    queued = []
+
+    def interrupted() -> None:
+        queued.append(model.submit(lambda: "never runs"))  # queued behind this call
+        raise KeyboardInterrupt
+
+    first = model.submit(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.run(stopped=lambda: False, poll_s=0.01)
+    for future in (first, *queued, model.submit(lambda: "too late")):
+        with pytest.raises(WorkerStopping):
+            future.result(timeout=1)
