@@ -29,6 +29,7 @@ from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
 from pagedserve import wire
 from pagedserve.log import get_logger
+from pagedserve.plan import StepResult
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
@@ -193,24 +194,58 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> Iterator[worker_pb2.StepResult]:
         if not self._stream_lock.acquire(timeout=STREAM_ACQUIRE_TIMEOUT_S):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open")
+        runner = self.worker.runner
+        steps: queue.SimpleQueue[tuple[int, futures.Future[StepResult]] | None] = (
+            queue.SimpleQueue()
+        )
+        # Plans go to the model thread as they arrive, so the step the control plane sent ahead
+        # is queued there before this one's result is on its way back: no gap between steps.
+        reader = threading.Thread(
+            target=self._read_plans, args=(request_iterator, steps), name="plans", daemon=True
+        )
         try:
-            runner = self.worker.runner
-            runner.reset()
+            self.model.submit(runner.reset).result()
             log.info("execute_stream_opened", peer=context.peer())
-            for msg in request_iterator:
+            reader.start()
+            while (step := steps.get()) is not None:
+                step_id, future = step
                 try:
-                    plan = wire.plan_from_proto(msg)
-                    result = self.model.submit(partial(runner.execute, plan)).result()
+                    result = future.result()
                 except (PlanError, InvalidRequestError, ValueError) as exc:
-                    log.error("bad_plan", step_id=msg.step_id, error=str(exc))
+                    log.error("bad_plan", step_id=step_id, error=str(exc))
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 except WorkerStopping as exc:
                     context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 yield wire.result_to_proto(result)
             log.info("execute_stream_closed")
         finally:
-            self.worker.runner.reset()
+            # The stream has ended (or was cancelled), so the reader stops at its next read;
+            # the next stream must not see a plan of this one.
+            if reader.is_alive():
+                reader.join(timeout=STREAM_ACQUIRE_TIMEOUT_S)
+            self.model.submit(runner.reset)  # after any step still queued
             self._stream_lock.release()
+
+    def _read_plans(
+        self,
+        request_iterator: Iterator[worker_pb2.StepPlan],
+        steps: queue.SimpleQueue[tuple[int, futures.Future[StepResult]] | None],
+    ) -> None:
+        runner = self.worker.runner
+        try:
+            for msg in request_iterator:
+                try:
+                    plan = wire.plan_from_proto(msg)
+                except (InvalidRequestError, ValueError) as exc:  # a bad plan ends the stream
+                    failed: futures.Future[StepResult] = futures.Future()
+                    failed.set_exception(exc)
+                    steps.put((msg.step_id, failed))
+                    return
+                steps.put((msg.step_id, self.model.submit(partial(runner.execute, plan))))
+        except grpc.RpcError:
+            pass  # the call was cancelled or the control plane went away
+        finally:
+            steps.put(None)
 
 
 def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
