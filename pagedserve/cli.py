@@ -61,9 +61,11 @@ def cmd_model_init(a: argparse.Namespace) -> int:
 def cmd_worker(a: argparse.Namespace) -> int:
     from gpu_worker.config import WorkerConfig
     from gpu_worker.server import serve
+    from pagedserve.cluster import stop_on_signals
     from pagedserve.log import configure_logging
 
     configure_logging("worker")
+    stop_on_signals()
     cfg = WorkerConfig(
         model=_model_dir(a.model),
         host=a.host,
@@ -87,9 +89,11 @@ def cmd_worker(a: argparse.Namespace) -> int:
 def cmd_control_plane(a: argparse.Namespace) -> int:
     from control_plane.config import ControlPlaneConfig
     from control_plane.server import serve
+    from pagedserve.cluster import stop_on_signals
     from pagedserve.log import configure_logging
 
     configure_logging("control-plane")
+    stop_on_signals()
     cfg = ControlPlaneConfig(
         workers=tuple(w.strip() for w in a.workers.split(",") if w.strip()),
         host=a.host,

@@ -213,15 +213,24 @@ def _http_port(a: argparse.Namespace) -> int:
     return port
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM both raise KeyboardInterrupt in the main thread, whatever handling
+    this process inherited: a shell starts background jobs with SIGINT ignored, and
+    `docker stop` or a parent's death sends SIGTERM. Every service then stops gracefully."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
     env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": os.environ.get("PAGEDSERVE_LOG_FORMAT", "json")}
     py = [sys.executable, "-m", "pagedserve.cli"]
     children: list[Child] = []
 
-    def _terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
+    stop_on_signals()
     try:
         redis_url = a.redis_url
         if redis_url is None:

@@ -130,3 +130,43 @@ def test_model_init_writes_a_checkpoint(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == [
         "Qwen3ForCausalLM"
     ]
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_services_stop_on_sigint_and_sigterm_even_when_sigint_was_ignored(
+    micro_llama: Path, stop_signal: signal.Signals
+) -> None:
+    """A shell starts background jobs with SIGINT ignored; `docker stop` sends SIGTERM."""
+    from pagedserve.cluster import grpc_serving
+
+    wport, cport = free_port(), free_port()
+    commands = {
+        "worker": ["worker", "--model", str(micro_llama), "--port", str(wport)],
+        "control-plane": ["control-plane", "--port", str(cport), "--workers", f"127.0.0.1:{wport}"],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.cli", *args, "--kv-cache-memory", "16MiB"]
+            if name == "worker"
+            else [sys.executable, "-m", "pagedserve.cli", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+        for name, args in commands.items()
+    }
+    try:
+        for name, port in (("worker", wport), ("control-plane", cport)):
+            deadline = time.monotonic() + 120
+            while not grpc_serving(f"127.0.0.1:{port}") and time.monotonic() < deadline:
+                assert procs[name].poll() is None, f"{name} exited early"
+                time.sleep(0.2)
+        for name in ("control-plane", "worker"):
+            procs[name].send_signal(stop_signal)
+            # It exits by itself, through its shutdown path (not killed by the signal).
+            assert procs[name].wait(timeout=30) >= 0, name
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
