@@ -286,6 +286,7 @@ def machine() -> dict[str, Any]:
 def write_json(path: Path, report: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {path}")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

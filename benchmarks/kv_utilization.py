@@ -249,7 +249,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(rep)
     out = a.out or RESULTS_DIR / "kv_utilization.json"
     write_json(out, rep)
-    print(f"\nwrote {out}")
     return 0
 
 

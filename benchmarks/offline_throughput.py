@@ -325,7 +325,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(rep)
     out = a.out or RESULTS_DIR / f"offline_throughput_{preset}.json"
     write_json(out, rep)
-    print(f"\nwrote {out}")
     return 0
 
 

@@ -127,6 +127,15 @@ def request(prompt: str | list[int], **kw: Any) -> pb.GenerateRequest:
     return req
 
 
+def greedy_to_length(
+    stub: pb_grpc.ControlPlaneStub, prompt: list[int], max_tokens: int
+) -> list[int]:
+    """Greedy, ignore_eos: the output ids, which must run to max_tokens."""
+    out = generate(stub, prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    assert out.finish_reason == "length"
+    return out.token_ids
+
+
 def generate(stub: pb_grpc.ControlPlaneStub, prompt: str | list[int], **kw: Any) -> Completion:
     chunks = list(stub.Generate(request(prompt, **kw), timeout=300))
     return Completion(

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import MICRO
 from tests.oracle import hf_greedy
 from tests.procs import ServerProcess
-from tests.stack import generate, start_stack
+from tests.stack import greedy_to_length, start_stack
 
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": MICRO,  # GQA 4:2
@@ -75,11 +75,7 @@ def test_greedy_matches_transformers(
     )
 
     def run(i: int) -> list[int]:
-        out = generate(
-            stack.stub, prompts[i], max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True
-        )
-        assert out.finish_reason == "length"
-        return out.token_ids
+        return greedy_to_length(stack.stub, prompts[i], max_tokens[i])
 
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
         got = list(pool.map(run, range(NUM_REQUESTS)))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.oracle import hf_greedy
 from tests.procs import ServerProcess
-from tests.stack import generate, start_stack, worker_cli_args
+from tests.stack import generate, greedy_to_length, start_stack, worker_cli_args
 
 
 def test_worker_restart_mid_generation(
@@ -25,9 +25,7 @@ def test_worker_restart_mid_generation(
     epoch = stack.stats().workers[0].epoch
 
     def run(p: list[int]) -> list[int]:
-        out = generate(stack.stub, p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        assert out.finish_reason == "length"
-        return out.token_ids
+        return greedy_to_length(stack.stub, p, max_tokens)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(run, p) for p in prompts]
@@ -66,9 +64,7 @@ def test_worker_lost_for_good_its_requests_move(
     )
 
     def run(p: list[int]) -> list[int]:
-        out = generate(stack.stub, p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        assert out.finish_reason == "length"
-        return out.token_ids
+        return greedy_to_length(stack.stub, p, max_tokens)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(run, p) for p in prompts]
