@@ -77,6 +77,9 @@ class PrefixIndex(ABC):
     @abstractmethod
     async def replace_worker(self, worker: WorkerRef, hashes: Sequence[bytes]) -> None: ...
 
+    async def reconnect(self) -> None:  # noqa: B027 - optional hook
+        """Called before the index is rebuilt after an outage: drop what the outage broke."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -182,6 +185,16 @@ class RedisPrefixIndex(PrefixIndex):
         except (TimeoutError, RedisError, OSError) as exc:
             raise PrefixIndexUnavailable(str(exc)) from exc
         await self.update(worker, hashes, ())
+
+    async def reconnect(self) -> None:
+        """Drops every pooled connection (each one died with the server: on first use it would
+        fail and retry with a backoff, past a lookup's deadline) and loads the lookup script
+        into the restarted server, so the first lookups after an outage are not slow ones."""
+        try:
+            await self._redis.connection_pool.disconnect()
+            await self._redis.script_load(_LOOKUP_LUA)
+        except (TimeoutError, RedisError, OSError) as exc:
+            raise PrefixIndexUnavailable(str(exc)) from exc
 
     async def ping(self) -> bool:
         try:

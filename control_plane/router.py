@@ -132,6 +132,7 @@ class Router:
         """Retries until the index answers, then rebuilds it from the block managers."""
         while True:
             try:
+                await self.index.reconnect()
                 await self._rebuild()
             except PrefixIndexUnavailable:
                 await asyncio.sleep(RECOVERY_INTERVAL_S)

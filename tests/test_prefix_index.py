@@ -77,3 +77,23 @@ def test_redis_outage_raises_unavailable_then_recovers(redis_server: RedisServer
         await index.close()
 
     asyncio.run(go())
+
+
+def test_lookups_right_after_an_outage_meet_their_deadline(redis_server: RedisServer) -> None:
+    """Every pooled connection died with the server: reconnect() drops them all, so no lookup
+    after the outage spends its 50 ms on a dead connection's retry."""
+
+    async def go() -> None:
+        index = RedisPrefixIndex(redis_server.url, "pool")
+        await index.update(W0, H[:3], ())
+        # Concurrent lookups leave several connections in the pool.
+        await asyncio.gather(*(index.lookup(H[:3], [W0]) for _ in range(8)))
+        redis_server.stop()
+        redis_server.start()
+        await index.reconnect()
+        await index.replace_worker(W0, H[:3])
+        for _ in range(8):  # one after another: each may take a different pooled connection
+            assert await index.lookup(H[:3], [W0]) == {"w0": 3}
+        await index.close()
+
+    asyncio.run(go())
