@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import Workload
+from gpu_worker.attention.torch_backend import causal_attention
 from gpu_worker.config import WorkerConfig
 
 # The decode batch sizes whose projection kernels our model code builds before it is timed:
@@ -160,21 +161,6 @@ def hf_continuous_batching(model: Path, wl: Workload) -> SystemRun:
 # -- the pure-torch bound -------------------------------------------------------------------------
 
 
-def _causal_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One prompt's causal attention with SDPA: `[T, heads, D]` in and out (GQA allowed)."""
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return o.transpose(0, 1)
-
-
 class _ContiguousAttention:
     """Attention over a contiguous `[layers, 2, rows, kv_heads, max_len, head_dim]` cache.
 
@@ -216,7 +202,7 @@ class _ContiguousAttention:
             n = q.shape[0]
             kc[self.row, :, :n] = k.transpose(0, 1)
             vc[self.row, :, :n] = v.transpose(0, 1)
-            return _causal_prefill(q, k, v, self.scale)
+            return causal_attention(q, k, v, self.scale)
         b, num_kv = k.shape[0], k.shape[1]
         # One flat (row * kv_heads + head, position) index: an index_put over dims that are
         # not adjacent would be a slow path.
@@ -276,7 +262,7 @@ class _ContiguousKernelAttention(_ContiguousAttention):
             n = q.shape[0]
             kc[self.row, :n] = k
             vc[self.row, :n] = v
-            return _causal_prefill(q, k, v, self.scale)
+            return causal_attention(q, k, v, self.scale)
         b = q.shape[0]
         rows = self.rows[:b]
         kc[rows, self.lengths - 1] = k

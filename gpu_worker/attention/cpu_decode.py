@@ -34,7 +34,8 @@ log = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
-MAX_HEADS = 256  # the kernel's per-sequence arrays (MAX_HEADS in the C source)
+TILE = 16  # head sizes must be a multiple of it (TILE in the C source)
+MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in the C source
 
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}  # "fn": the ctypes function, or None
@@ -70,6 +71,11 @@ def _build(cc: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the kernel takes this head size (every Llama-family size does: 64, 128, ...)."""
+    return head_dim % TILE == 0 and TILE <= head_dim <= MAX_HEAD_DIM
 
 
 def load() -> Any:
@@ -109,9 +115,10 @@ def paged_decode(
 ) -> None:
     """Writes `out[rows[s]]` = attention of query `q[rows[s]]` over sequence s's context.
 
-    out [T, H, D] float32 contiguous; q [T, H, D] float32 with each token's heads contiguous
-    (any token stride); rows [S] int64; k_cache, v_cache [num_blocks, block_size, KV, D]
-    float32 contiguous; block_tables [S, W] int32 contiguous; seq_lens [S] int32 (context
+    out [T, H, D] float32 contiguous, D a size `supports` takes; q [T, H, D] float32 with
+    each token's heads contiguous (any token stride); rows [S] int64; k_cache, v_cache
+    [num_blocks, block_size, KV, D] float32 contiguous; block_tables [S, W] int32 contiguous;
+    seq_lens [S] int32 (context
     including the new token, whose K/V must already be in the cache); max_len >= seq_lens.
     """
     fn = load()
@@ -119,7 +126,7 @@ def paged_decode(
     num_seqs = rows.shape[0]
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = k_cache.shape
-    assert kv_dim == head_dim and num_heads % num_kv_heads == 0 and num_heads <= MAX_HEADS
+    assert kv_dim == head_dim and num_heads % num_kv_heads == 0 and supports(head_dim)
     for t in (out, q, k_cache, v_cache):
         assert t.dtype == torch.float32 and t.device.type == "cpu"
     assert q.stride(2) == 1 and q.stride(1) == head_dim

@@ -8,7 +8,8 @@ scaled_dot_product_attention. Padding exists only inside a group and only up to 
 longest sequence (rounded up to whole blocks; the mask hides the tail).
 
 A prefill with no cached context (the whole prompt in this step) attends only to the step's
-own new K/V, so it runs causal SDPA straight on its slice of q, k, v: no gather, no padding.
+own new K/V, so it runs causal SDPA straight on its slice of q, k, v (`causal_attention`): no
+gather, no padding.
 
 On a CPU in float32 the decode group skips the gather: `cpu_decode` (a small C kernel) reads
 K/V in place through the block tables, one pass over each context. Other dtypes (the float64
@@ -24,6 +25,26 @@ import torch.nn.functional as F
 
 from gpu_worker.attention import cpu_decode
 from gpu_worker.attention.base import AttentionBackend, BatchLayout
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of one sequence's tokens among themselves: `[T, heads, D]` in and out,
+    fewer kv heads than query heads allowed.
+
+    The inputs get a batch dimension: given 3-d tensors, CPU SDPA falls back to its
+    unfused math path (a full score matrix per head), several times slower.
+    """
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, Hq, T, D]
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
 
 
 @dataclass
@@ -55,7 +76,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.use_decode_kernel = (
             kv.device.type == "cpu"
             and kv.dtype == torch.float32
-            and self.num_heads <= cpu_decode.MAX_HEADS
+            and cpu_decode.supports(self.head_dim)
             and cpu_decode.load() is not None
         )
 
@@ -142,15 +163,7 @@ class TorchAttentionBackend(AttentionBackend):
                 self.scale,
             )
         for start, end in self._fresh:
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1),  # [Hq, n, D]
-                k[start:end].transpose(0, 1),
-                v[start:end].transpose(0, 1),
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end], self.scale)
         for g in self._groups:
             num_seqs = g.token_index.shape[0]
             qg = q[g.token_index].transpose(1, 2)  # [G, Hq, Qmax, D]
