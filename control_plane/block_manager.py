@@ -268,10 +268,19 @@ class BlockManager:
         block's source loses this request's reference and keeps its other holders. None,
         changing nothing, when the free queue is too short.
         """
+        bs = self.block_size
+        table = self._gpu_tables.get(req_id)
+        if (
+            table is not None
+            and num_computed_tokens < num_tokens_total <= len(table) * bs
+            and num_computed_tokens // bs == (num_tokens_total - 1) // bs
+            and self.gpu.refcounts[table[num_computed_tokens // bs]] == 1
+        ):
+            # The common decode step: the slots lie in one block the request owns alone.
+            return SlotReservation()
         if req_id in self._cpu_tables:
             raise ValueError(f"request {req_id} is swapped out; swap it in first")
-        table = self._gpu_tables.get(req_id, [])
-        bs = self.block_size
+        table = table or []
         end = min(self.num_blocks_for(num_tokens_total), len(table))
         written = range(
             num_computed_tokens // bs, end if num_tokens_total > num_computed_tokens else 0

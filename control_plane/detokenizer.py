@@ -5,6 +5,9 @@ character, so a decode ending in U+FFFD is held back until a later token complet
 strings are matched on the accumulated text; while a request runs, the last
 len(longest stop) - 1 characters are held back too, so a stop string that spans tokens is cut
 exactly and no part of it is ever streamed.
+
+A detokenizer made with `defer` (a client that reads only the final text, no stop strings)
+just collects tokens and decodes them once, when the request finishes.
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
+        defer: bool = False,
     ) -> None:
+        if defer and stop:
+            raise ValueError("stop strings are matched as text arrives: they cannot defer")
         self.tokenizer = tokenizer
+        self.defer = defer
         self.skip_special_tokens = skip_special_tokens
         self.tokens = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -49,6 +56,8 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int], finished: bool) -> TextDelta:
         """Adds new tokens; returns the text that may be emitted now."""
         self.tokens.extend(token_ids)
+        if self.defer and not finished:
+            return TextDelta("", None)
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
         if len(full) > len(prefix) and (finished or not full.endswith(REPLACEMENT)):

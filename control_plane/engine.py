@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -60,20 +60,27 @@ class OutputChunk:
     def ends_completion(self) -> bool:
         return self.last or self.finish_reason is not None
 
+    def copy(self) -> OutputChunk:
+        """A copy with lists of its own (safe to extend)."""
+        return replace(self, token_ids=list(self.token_ids), logprobs=list(self.logprobs))
+
     def merge(self, later: OutputChunk) -> OutputChunk:
-        """This chunk followed by a later one of the same completion, as one chunk."""
-        return OutputChunk(
-            token_ids=self.token_ids + later.token_ids,
-            text=self.text + later.text,
-            logprobs=self.logprobs + later.logprobs,
-            num_prompt_tokens=later.num_prompt_tokens,
-            num_output_tokens=later.num_output_tokens,
-            finish_reason=later.finish_reason,
-            stop_reason=later.stop_reason,
-            index=later.index,
-            last=later.last,
-            time_to_first_token_s=later.time_to_first_token_s,
-        )
+        """This chunk followed by a later one of the same completion, as a new chunk."""
+        return self.copy().extend(later)
+
+    def extend(self, later: OutputChunk) -> OutputChunk:
+        """Appends a later chunk of the same completion to this one, in place; returns self."""
+        self.token_ids.extend(later.token_ids)
+        self.text += later.text
+        self.logprobs.extend(later.logprobs)
+        self.num_prompt_tokens = later.num_prompt_tokens
+        self.num_output_tokens = later.num_output_tokens
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.index = later.index
+        self.last = later.last
+        self.time_to_first_token_s = later.time_to_first_token_s
+        return self
 
 
 def merge_chunks(items: list[OutputChunk | BaseException]) -> list[OutputChunk | BaseException]:
@@ -117,8 +124,9 @@ class RequestStream:
             chunk.time_to_first_token_s = self.first_token_time - self.request.arrival_time
         if self.final_only:
             held = self._held.pop(chunk.index, None)
-            if held is not None:
-                chunk = held.merge(chunk)
+            # The first chunk held is copied, later ones are appended to it in place: one list
+            # per completion, not a new one per step.
+            chunk = chunk.copy() if held is None else held.extend(chunk)
             if not chunk.ends_completion:
                 self._held[chunk.index] = chunk
                 return
@@ -196,7 +204,10 @@ class EngineLoop:
         n = request.sampling.n
         detoks = [
             IncrementalDetokenizer(
-                self.tokenizer.tokenizer, request.prompt_token_ids, request.sampling.stop
+                self.tokenizer.tokenizer,
+                request.prompt_token_ids,
+                request.sampling.stop,
+                defer=final_only and not request.sampling.stop,
             )
             for _ in range(n)
         ]
@@ -219,11 +230,11 @@ class EngineLoop:
             r = stream.request
             open_ = [i for i in range(r.sampling.n) if i not in stream.finished_indexes]
             for k, i in enumerate(open_):
-                count = stream.num_output_tokens[i]
-                last = k == len(open_) - 1
-                stream.emit(
-                    OutputChunk([], "", [], r.num_prompt_tokens, count, "abort", index=i, last=last)
-                )
+                detok = stream.detokenizers[i]
+                text = detok.add([], finished=True).text if detok.defer else ""
+                chunk = OutputChunk([], text, [], r.num_prompt_tokens, stream.num_output_tokens[i])
+                chunk.finish_reason, chunk.index, chunk.last = "abort", i, k == len(open_) - 1
+                stream.emit(chunk)
         self._wakeup.set()
         return True
 

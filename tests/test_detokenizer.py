@@ -49,6 +49,21 @@ def test_any_text_streams_exactly(tok: Tokenizer, text: str) -> None:
     assert "".join(deltas) == tok.decode(ids)
 
 
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(min_size=1, max_size=40), split=st.integers(0, 40))
+def test_deferred_decodes_once_to_the_streamed_text(tok: Tokenizer, text: str, split: int) -> None:
+    ids = tok.encode(text).ids
+    d = IncrementalDetokenizer(tok, [1, 70, 71], defer=True)
+    split = min(split, len(ids) - 1)
+    assert d.add(ids[:split], finished=False).text == ""  # nothing before the end
+    assert d.add(ids[split:], finished=True).text == "".join(stream(tok, ids)[0])
+
+
+def test_stop_strings_cannot_defer(tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tok, [1], stop=("x",), defer=True)
+
+
 def test_stop_string_across_tokens_is_cut_and_never_streamed(tok: Tokenizer) -> None:
     text = "the quick brown fox jumps over the lazy dog"
     ids = tok.encode(text).ids

@@ -153,7 +153,9 @@ def test_abort_rpc(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize("kind", [pb.OUTPUT_KIND_DELTA, pb.OUTPUT_KIND_FINAL_ONLY])
-def test_abort_ends_every_completion_with_its_own_count(stack: Stack, kind: int) -> None:
+def test_abort_ends_every_completion_with_its_own_count(
+    stack: Stack, micro_llama: Path, kind: int
+) -> None:
     call = stack.stub.Generate(
         request(
             list(range(5, 105)),
@@ -176,6 +178,10 @@ def test_abort_ends_every_completion_with_its_own_count(stack: Stack, kind: int)
     assert sorted(ended) == [0, 1, 2] and {m.finish_reason for m in ended.values()} == {"abort"}
     for i, m in ended.items():  # each completion's own token count, not the request's total
         assert m.completion_tokens == sum(len(x.token_ids) for x in msgs if x.index == i)
+    if kind == pb.OUTPUT_KIND_FINAL_ONLY:  # and its text, decoded once at the abort
+        tok = Tokenizer.from_file(str(micro_llama / "tokenizer.json"))
+        for m in ended.values():
+            assert m.token_ids and m.text.strip() == tok.decode(list(m.token_ids)).strip()
     assert msgs[-1].finish_reason == "abort"
     wait_all_free(stack)
 
