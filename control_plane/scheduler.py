@@ -429,7 +429,8 @@ class Scheduler:
         else:
             # The worker only appends to a table it knows; it cannot learn a replaced block.
             assert not slots.copies, f"{req.req_id}: copy-on-write in a table the worker holds"
-            plan.cached_requests.append(CachedRequestData(req.req_id, slots.new_block_ids))
+            if slots.new_block_ids:  # a table that did not grow needs no entry
+                plan.cached_requests.append(CachedRequestData(req.req_id, slots.new_block_ids))
         plan.num_scheduled_tokens[req.req_id] = num_new
         budget.tokens -= num_new
         budget.chunked |= req.num_computed_tokens + num_new < req.num_tokens_to_compute

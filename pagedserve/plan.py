@@ -53,7 +53,8 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the worker already knows: only the blocks appended since the last step."""
+    """A request the worker already knows whose table grew: the blocks appended since the
+    last step. A known request whose table did not grow is only in num_scheduled_tokens."""
 
     req_id: str
     new_block_ids: list[int]
