@@ -29,7 +29,6 @@ from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
 from pagedserve import wire
 from pagedserve.log import get_logger
-from pagedserve.plan import StepResult
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
@@ -195,7 +194,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not self._stream_lock.acquire(timeout=STREAM_ACQUIRE_TIMEOUT_S):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open")
         runner = self.worker.runner
-        steps: queue.SimpleQueue[tuple[int, futures.Future[StepResult]] | None] = (
+        steps: queue.SimpleQueue[tuple[int, futures.Future[worker_pb2.StepResult]] | None] = (
             queue.SimpleQueue()
         )
         # Plans go to the model thread as they arrive, so the step the control plane sent ahead
@@ -216,7 +215,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 except WorkerStopping as exc:
                     context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-                yield wire.result_to_proto(result)
+                yield result
             log.info("execute_stream_closed")
         finally:
             # The stream has ended (or was cancelled), so the reader stops at its next read;
@@ -229,23 +228,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _read_plans(
         self,
         request_iterator: Iterator[worker_pb2.StepPlan],
-        steps: queue.SimpleQueue[tuple[int, futures.Future[StepResult]] | None],
+        steps: queue.SimpleQueue[tuple[int, futures.Future[worker_pb2.StepResult]] | None],
     ) -> None:
         runner = self.worker.runner
         try:
             for msg in request_iterator:
-                try:
-                    plan = wire.plan_from_proto(msg)
-                except (InvalidRequestError, ValueError) as exc:  # a bad plan ends the stream
-                    failed: futures.Future[StepResult] = futures.Future()
-                    failed.set_exception(exc)
-                    steps.put((msg.step_id, failed))
-                    return
-                steps.put((msg.step_id, self.model.submit(partial(runner.execute, plan))))
+                steps.put((msg.step_id, self.model.submit(partial(_step, runner, msg))))
         except grpc.RpcError:
             pass  # the call was cancelled or the control plane went away
         finally:
             steps.put(None)
+
+
+def _step(runner: ModelRunner, msg: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+    """Decodes, runs and encodes one step, all on the model thread. The gRPC threads then only
+    move messages: their Python would otherwise hold the GIL at the model thread's op
+    boundaries, and every hand-over of the GIL costs the step time. A plan that does not decode
+    fails its step with INVALID_ARGUMENT, which ends the stream."""
+    return wire.result_to_proto(runner.execute(wire.plan_from_proto(msg)))
 
 
 def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
