@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 
@@ -89,7 +89,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
 def cmd_control_plane(a: argparse.Namespace) -> int:
     from control_plane.config import ControlPlaneConfig
     from control_plane.server import serve
-    from pagedserve.cluster import stop_on_signals
+    from pagedserve.cluster import run_until_signalled, stop_on_signals
     from pagedserve.log import configure_logging
 
     configure_logging("control-plane")
@@ -111,8 +111,8 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
         worker_failover_s=a.worker_failover_timeout,
     )
     try:
-        asyncio.run(serve(cfg))
-    except KeyboardInterrupt:
+        run_until_signalled(partial(serve, cfg))
+    except KeyboardInterrupt:  # before the event loop runs
         pass
     return 0
 

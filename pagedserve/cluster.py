@@ -12,6 +12,7 @@ shutdown order holds; each child gets SIGTERM should this process die without cl
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import os
 import shutil
@@ -23,7 +24,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -223,6 +225,26 @@ def stop_on_signals() -> None:
     `docker stop` or a parent's death sends SIGTERM. Every service then stops gracefully."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+def run_until_signalled(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Runs an asyncio service until SIGINT or SIGTERM, either of which cancels it: its
+    `finally` blocks then run at an await, with the event loop intact. (A KeyboardInterrupt
+    raised by a signal handler can land inside one of the loop's callbacks, after which a gRPC
+    server may never finish stopping.)"""
+
+    async def run() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await main()
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(run())
 
 
 def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
