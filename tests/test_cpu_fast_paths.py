@@ -4,7 +4,9 @@ backend's SDPA path, and the oneDNN-prepacked linears against F.linear."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +19,17 @@ from gpu_worker.kv_cache import CacheGeometry, KVCache
 from tests.kernel_refs import ref_paged_attention
 
 needs_kernel = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
+
+
+@pytest.mark.skipif(
+    not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
+    reason="no C compiler here",
+)
+def test_kernel_builds_where_there_is_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel tests skip without the kernel: a source that stopped compiling must fail."""
+    monkeypatch.delenv("PAGEDSERVE_CPU_DECODE_KERNEL", raising=False)
+    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    assert cpu_decode.load() is not None
 
 
 @needs_kernel

@@ -122,6 +122,16 @@ static inline void prefetch_tile(const float *base, const int64_t *off, int n) {
         for (int c = 0; c < n; c += TILE) __builtin_prefetch(base + off[t] + c, 0, 2);
 }
 
+/* The offsets of the tile after the one at j0 into `next`, and its rows (`n` floats from each
+ * offset into `base`) prefetched; false, doing nothing, when j0's tile is the last. */
+static inline int advance_tile(int64_t *next, const int32_t *table, int j0, int len,
+                               int block_size, int64_t row, const float *base, int n) {
+    if (j0 + TILE >= len) return 0;
+    tile_offsets(next, table, j0 + TILE, len, block_size, row);
+    prefetch_tile(base, next, n);
+    return 1;
+}
+
 /* Query heads of kv heads g0 .. g0+ng-1 of one sequence (nh = ng * rep heads, contiguous in q
  * and out). Scratch: scores nh rows of `stride` floats; qbuf, acc nh * D. */
 static inline __attribute__((always_inline)) void decode_heads(
@@ -141,12 +151,8 @@ static inline __attribute__((always_inline)) void decode_heads(
     memcpy(tiles[0], first, sizeof first);
     for (int j0 = 0, cur = 0; j0 < len; j0 += TILE, cur ^= 1) {
         const int64_t *off = tiles[cur];
-        if (j0 + TILE < len) {
-            tile_offsets(tiles[cur ^ 1], table, j0 + TILE, len, block_size, row);
-            prefetch_tile(kg, tiles[cur ^ 1], ng * D);
-        } else {
-            prefetch_tile(vg, first, ng * D);
-        }
+        if (!advance_tile(tiles[cur ^ 1], table, j0, len, block_size, row, kg, ng * D))
+            prefetch_tile(vg, first, ng * D); /* the V pass starts there */
         for (int i = 0; i < nh; i++) {
             const float *qi = qbuf + (int64_t)i * D, *ki = kg + (int64_t)(i / rep) * D;
             v16 p[TILE];
@@ -184,10 +190,7 @@ static inline __attribute__((always_inline)) void decode_heads(
     memcpy(tiles[0], first, sizeof first);
     for (int j0 = 0, cur = 0; j0 < len; j0 += TILE, cur ^= 1) {
         const int64_t *off = tiles[cur];
-        if (j0 + TILE < len) {
-            tile_offsets(tiles[cur ^ 1], table, j0 + TILE, len, block_size, row);
-            prefetch_tile(vg, tiles[cur ^ 1], ng * D);
-        }
+        advance_tile(tiles[cur ^ 1], table, j0, len, block_size, row, vg, ng * D);
         for (int i = 0; i < nh; i++) {
             const float *w = scores + (int64_t)i * stride + j0, *vi = vg + (int64_t)(i / rep) * D;
             float *ai = acc + (int64_t)i * D;
