@@ -232,9 +232,18 @@ class EngineLoop:
             for k, i in enumerate(open_):
                 detok = stream.detokenizers[i]
                 text = detok.add([], finished=True).text if detok.defer else ""
-                chunk = OutputChunk([], text, [], r.num_prompt_tokens, stream.num_output_tokens[i])
-                chunk.finish_reason, chunk.index, chunk.last = "abort", i, k == len(open_) - 1
-                stream.emit(chunk)
+                stream.emit(
+                    OutputChunk(
+                        [],
+                        text,
+                        [],
+                        r.num_prompt_tokens,
+                        stream.num_output_tokens[i],
+                        "abort",
+                        index=i,
+                        last=k == len(open_) - 1,
+                    )
+                )
         self._wakeup.set()
         return True
 

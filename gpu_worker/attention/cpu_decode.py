@@ -118,8 +118,8 @@ def paged_decode(
     out [T, H, D] float32 contiguous, D a size `supports` takes; q [T, H, D] float32 with
     each token's heads contiguous (any token stride); rows [S] int64; k_cache, v_cache
     [num_blocks, block_size, KV, D] float32 contiguous; block_tables [S, W] int32 contiguous;
-    seq_lens [S] int32 (context
-    including the new token, whose K/V must already be in the cache); max_len >= seq_lens.
+    seq_lens [S] int32 (context including the new token, whose K/V must already be in the
+    cache); max_len >= seq_lens.
     """
     fn = load()
     assert fn is not None, "the CPU decode kernel is not available"

@@ -12,9 +12,11 @@
  *   out          [T, H, D]; sequence s writes row rows[s]
  *   D            a multiple of 16, at most MAX_HEAD_DIM
  *
- * Work item = one (sequence, kv head) pair: its `rep` = H / KV query heads share every K and
- * V row it reads, and a batch of a few long sequences still splits over the threads. Context
- * tokens go in tiles of 16 (any block size: each token's row is found through the table).
+ * Work item = one sequence, all its heads: each token's K and V rows are read once, as one
+ * contiguous run per block, for the `rep` = H / KV query heads of each kv head. A batch with
+ * fewer sequences than twice the threads splits each sequence's kv heads over several items.
+ * Context tokens go in tiles of 16 (any block size: each token's row is found through the
+ * table); the next tile's rows are prefetched into L2 while one is computed.
  *
  * Scores: for a query head and a tile, the 16 dot products q . k_t are formed as 16 vectors
  * of 16 partial sums (D / 16 multiply-adds each) and reduced together by a transposing tree
