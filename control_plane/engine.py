@@ -207,6 +207,7 @@ class EngineLoop:
                 self.tokenizer.tokenizer,
                 request.prompt_token_ids,
                 request.sampling.stop,
+                skip_special_tokens=request.sampling.skip_special_tokens,
                 defer=final_only and not request.sampling.stop,
             )
             for _ in range(n)

@@ -1,4 +1,5 @@
-"""Loads a checkpoint's tokenizer (tokenizer.json) and its chat and special-token settings."""
+"""Loads a checkpoint's tokenizer and its chat and special-token settings: from tokenizer.json
+and tokenizer_config.json in an HF directory, or from the metadata of a GGUF file."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from pagedserve.gguf import find_gguf, open_gguf
+from pagedserve.gguf.tokenizer import special_tokens
 
 
 @dataclass
@@ -26,8 +30,11 @@ class LoadedTokenizer:
         return ids
 
 
-def load_tokenizer(model_dir: str | Path) -> LoadedTokenizer:
-    d = Path(model_dir)
+def load_tokenizer(model_path: str | Path) -> LoadedTokenizer:
+    gguf_file = find_gguf(model_path)
+    if gguf_file is not None:
+        return _gguf_tokenizer(gguf_file)
+    d = Path(model_path)
     path = d / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the checkpoint has no tokenizer.json")
@@ -48,3 +55,11 @@ def load_tokenizer(model_dir: str | Path) -> LoadedTokenizer:
     if not isinstance(template, str) and (d / "chat_template.jinja").is_file():
         template = (d / "chat_template.jinja").read_text()
     return LoadedTokenizer(tok, bos_id, template if isinstance(template, str) else None, special)
+
+
+def _gguf_tokenizer(path: Path) -> LoadedTokenizer:
+    ckpt = open_gguf(path)
+    vocab = ckpt.tokenizer_source
+    return LoadedTokenizer(
+        ckpt.tokenizer(), vocab.bos_token_id, vocab.chat_template, special_tokens(vocab)
+    )

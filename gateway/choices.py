@@ -52,6 +52,8 @@ def sampling_proto(body: SamplingFields, logprobs: int | None) -> common_pb2.Sam
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
     )
+    if not body.skip_special_tokens:
+        msg.skip_special_tokens = False
     max_tokens = body.effective_max_tokens()
     if max_tokens is not None:
         msg.max_tokens = max_tokens

@@ -79,6 +79,7 @@ class SamplingFields(_Body):
     stop: StopString | Annotated[list[StopString], Field(max_length=64)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX), INTEGRAL] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None

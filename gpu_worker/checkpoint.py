@@ -1,8 +1,9 @@
-"""Load an HF safetensors checkpoint (single file or sharded) into a `CausalLM`."""
+"""Load a checkpoint into a `CausalLM`: HF safetensors (one file or sharded) or GGUF."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from safetensors import safe_open
 
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.llama import CausalLM
+from pagedserve.gguf import GGUFError, find_gguf, open_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_SHOWN = 5
@@ -22,37 +24,64 @@ class CheckpointError(ValueError):
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+    model_path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> CausalLM:
-    """Build the model described by `model_dir/config.json` and fill it from its safetensors.
+    """Build the model at `model_path` and fill it from its weights.
 
-    Tensors are cast to `dtype` and placed on `device`. Tensors the model does not use are
-    ignored; a missing one raises `CheckpointError` naming it.
+    `model_path` is an HF checkpoint directory (config.json + safetensors) or a GGUF file (or a
+    directory holding one), whose tensors are dequantized at load. Tensors are cast to `dtype`
+    and placed on `device`. Tensors the model does not use are ignored; a missing one raises
+    `CheckpointError` naming it.
     """
-    path = Path(model_dir)
+    path = Path(model_path)
+    try:
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            ckpt = open_gguf(gguf_file)
+            config = ModelConfig.from_dict(ckpt.hf_config(), ckpt.generation_config())
+            return _fill(path, config, set(ckpt.tensor_names()), ckpt.tensor, dtype, device)
+    except GGUFError as exc:
+        raise CheckpointError(str(exc)) from exc
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: not an HF checkpoint directory")
     config = ModelConfig.from_dir(path)
     files = safetensors_files(path)
-    model = CausalLM(config, dtype=dtype, device=device)
     with ExitStack() as stack:
         handles: dict[str, Any] = {}
         for file in files:
             handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             handles.update(dict.fromkeys(handle.keys(), handle))
-        missing = [name for name in model.checkpoint_tensor_names() if name not in handles]
-        if missing:
-            shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
-            hidden = len(missing) - _MAX_NAMES_SHOWN
-            more = f" and {hidden} more" if hidden > 0 else ""
-            raise CheckpointError(
-                f"checkpoint {path} is missing {len(missing)} tensor(s): {shown}{more}"
-            )
-        try:
-            model.load_weights(lambda name: handles[name].get_tensor(name))
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint {path}: {exc}") from exc
+        return _fill(path, config, set(handles), lambda n: handles[n].get_tensor(n), dtype, device)
+
+
+def _fill(
+    path: Path,
+    config: ModelConfig,
+    available: set[str],
+    get: Callable[[str], torch.Tensor],
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> CausalLM:
+    model = CausalLM(config, dtype=dtype, device=device)
+    missing = [name for name in model.checkpoint_tensor_names() if name not in available]
+    if missing:
+        shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
+        hidden = len(missing) - _MAX_NAMES_SHOWN
+        more = f" and {hidden} more" if hidden > 0 else ""
+        raise CheckpointError(
+            f"checkpoint {path} is missing {len(missing)} tensor(s): {shown}{more}"
+        )
+    try:
+        model.load_weights(get)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     return model.eval()
+
+
+def model_name(model_path: str | Path) -> str:
+    """The name a model is served under by default: its directory's, or its GGUF file's stem."""
+    path = Path(model_path).resolve()
+    return path.stem if path.is_file() and path.suffix == ".gguf" else path.name
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from pagedserve.gguf.tokenizer import byte_chars
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -60,7 +59,6 @@ CHAT_TEMPLATE = (
     "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-DEFAULT_MODEL_NAME = "tiny-llama"
 
 # Init scale (see the module docstring). A matrix with fan-in n is N(0, INIT_GAIN / sqrt(n)),
 # so every projection (and the logits) has the same scale whatever the model size; the
@@ -221,7 +219,7 @@ def random_weights(config: Mapping[str, Any], seed: int = 0) -> dict[str, torch.
 def build_tokenizer(vocab_size: int) -> Tokenizer:
     """A byte-level BPE tokenizer with exactly `vocab_size` tokens; `<s>` prepended on encode."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for char in _byte_chars():
+    for char in byte_chars():
         vocab[char] = len(vocab)
     merges: list[tuple[str, str]] = []
     for left, right in _merge_pairs():
@@ -241,19 +239,6 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     )
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
     return tokenizer
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-to-unicode map, in byte order: printable bytes stand for themselves."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, shifted = [], 0
-    for byte in range(256):
-        if byte in printable:
-            chars.append(chr(byte))
-        else:
-            chars.append(chr(256 + shifted))
-            shifted += 1
-    return chars
 
 
 def _merge_pairs() -> Iterator[tuple[str, str]]:
@@ -298,33 +283,3 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor], shards: int) ->
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def default_model_dir() -> Path:
-    """Where the default model lives: `$PAGEDSERVE_CACHE_DIR` (or ~/.cache/pagedserve)/models."""
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
-    return Path(root) / "models" / DEFAULT_MODEL_NAME
-
-
-def ensure_default_model() -> Path:
-    """Return the default tiny Llama checkpoint, writing it on first use.
-
-    The checkpoint is written to a temporary sibling and renamed into place, so concurrent
-    callers see either no directory or a complete one.
-    """
-    target = default_model_dir()
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write_random_checkpoint(tmp, preset="tiny", arch="llama")
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable
-        os.rename(tmp, target)
-    except OSError:
-        if not target.is_dir():
-            raise
-        # Another process renamed its copy first; theirs is complete and identical.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target

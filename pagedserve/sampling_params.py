@@ -42,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:

@@ -39,6 +39,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = p.logprobs
     if p.n != 1:
         msg.n = p.n
+    if not p.skip_special_tokens:
+        msg.skip_special_tokens = False
     return msg
 
 
@@ -58,6 +60,7 @@ def sampling_from_proto(
         "seed",
         "logprobs",
         "n",
+        "skip_special_tokens",
     ):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)

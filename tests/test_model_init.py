@@ -1,9 +1,8 @@
-"""Random-weight checkpoints: HF format, tokenizer, chat template, determinism, default model."""
+"""Random-weight checkpoints: HF format, tokenizer, chat template, determinism."""
 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -11,14 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from gpu_worker import model_init
-from gpu_worker.model_init import (
-    build_config,
-    build_tokenizer,
-    default_model_dir,
-    ensure_default_model,
-    write_random_checkpoint,
-)
+from gpu_worker.model_init import build_config, build_tokenizer, write_random_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,30 +140,3 @@ def test_chat_template_renders_in_transformers(micro_dir: Path) -> None:
 def test_small_vocab_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least 259"):
         write_random_checkpoint(tmp_path, overrides={**MICRO, "vocab_size": 200})
-
-
-def test_default_model_is_written_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
-    assert default_model_dir() == tmp_path / "models" / "tiny-llama"
-    calls = []
-    real_write = model_init.write_random_checkpoint
-
-    def write_micro(out_dir: Path, **kwargs: object) -> Path:
-        calls.append(out_dir)
-        return real_write(out_dir, overrides=MICRO)
-
-    monkeypatch.setattr(model_init, "write_random_checkpoint", write_micro)
-    results: list[Path] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(ensure_default_model())) for _ in range(3)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert results == [default_model_dir()] * 3
-    assert (default_model_dir() / "config.json").is_file()
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-llama"]  # temp dirs gone
-    before = len(calls)
-    assert ensure_default_model() == default_model_dir()
-    assert len(calls) == before

@@ -1,0 +1,257 @@
+"""Open a GGUF file, check it, and read its metadata as Hugging Face configs.
+
+What a file must hold to be served: a llama-family architecture (`general.architecture` one of
+`ARCHITECTURES`), the tensors that architecture needs (see `tensors.py`), every tensor in a
+type that can be dequantized here, and a tokenizer (`tokenizer.ggml.*`). Anything else fails
+in `open_gguf`, before a model is built or a port opened, with a `GGUFError` that names what
+is wrong.
+
+    GGUF metadata                        HF config.json
+    <arch>.block_count                -> num_hidden_layers
+    <arch>.embedding_length           -> hidden_size
+    <arch>.feed_forward_length        -> intermediate_size
+    <arch>.attention.head_count(_kv)  -> num_attention_heads / num_key_value_heads
+    <arch>.attention.key_length       -> head_dim (else hidden / heads)
+    <arch>.context_length             -> max_position_embeddings
+    <arch>.rope.freq_base             -> rope_theta
+    <arch>.attention.layer_norm_rms_epsilon -> rms_norm_eps
+    no `output.weight` tensor         -> tie_word_embeddings
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.gguf import tensors as gt
+
+# general.architecture -> (HF architecture, HF model_type)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+GGUF_MAGIC = b"GGUF"
+
+
+class GGUFError(ValueError):
+    """The GGUF file is unreadable, or describes something that cannot be served here."""
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one `*.gguf` in a directory that is
+    not an HF checkpoint (no config.json). None when `path` is not a GGUF checkpoint."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix == ".gguf" or _has_magic(p) else None
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    files = sorted(p.glob("*.gguf"))
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise GGUFError(f"{p} holds several GGUF files ({names}); pass one of them as --model")
+    return files[0] if files else None
+
+
+def _has_magic(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Read and validate the GGUF at `path` (a file, or a directory holding one)."""
+    from gguf import GGUFReader
+
+    file = find_gguf(path)
+    if file is None:
+        raise GGUFError(f"{path} is not a GGUF file")
+    try:
+        reader = GGUFReader(file)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        raise GGUFError(
+            f"{file} is not a readable GGUF file (corrupt or truncated?): {exc}"
+        ) from exc
+    ckpt = GGUFCheckpoint(file, reader)
+    ckpt.validate()
+    return ckpt
+
+
+@dataclass
+class GGUFCheckpoint:
+    path: Path
+    reader: Any  # gguf.GGUFReader
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """Every key-value field, as Python values (tokenizer arrays included)."""
+        out: dict[str, Any] = {}
+        for key, field in self.reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                out[key] = field.contents()
+            except (ValueError, IndexError, UnicodeDecodeError) as exc:
+                raise GGUFError(
+                    f"{self.path}: metadata field {key!r} is unreadable: {exc}"
+                ) from exc
+        return out
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @property
+    def gguf_architecture(self) -> str:
+        return str(self.get("general.architecture", ""))
+
+    def _arch_key(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.gguf_architecture}.{key}", default)
+
+    @cached_property
+    def num_heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads)."""
+        heads = int(self._arch_key("attention.head_count"))
+        return heads, int(self._arch_key("attention.head_count_kv") or heads)
+
+    @cached_property
+    def raw_tensors(self) -> dict[str, Any]:
+        """GGUF tensor name -> gguf ReaderTensor."""
+        return {t.name: t for t in self.reader.tensors}
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        arch = self.gguf_architecture
+        if arch not in ARCHITECTURES:
+            raise GGUFError(
+                f"{self.path}: unsupported GGUF architecture {arch!r}; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
+        required = ("block_count", "embedding_length", "feed_forward_length")
+        missing = [f"{arch}.{k}" for k in required if self._arch_key(k) is None]
+        if self._arch_key("attention.head_count") is None:
+            missing.append(f"{arch}.attention.head_count")
+        if missing:
+            raise GGUFError(f"{self.path}: metadata lacks {', '.join(missing)}")
+        size = self.path.stat().st_size
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise GGUFError(f"{self.path}: tensor {t.name} runs past the end of the file")
+        gt.check_tensors(self)
+        self.tokenizer_source  # noqa: B018 -- raises GGUFError for an unsupported tokenizer
+
+    # -- Hugging Face views ---------------------------------------------------------------------
+
+    def hf_config(self) -> dict[str, Any]:
+        """The `config.json` an HF checkpoint of this model would have."""
+        arch = self.gguf_architecture
+        architecture, model_type = ARCHITECTURES[arch]
+        hidden = int(self._arch_key("embedding_length"))
+        heads, kv_heads = self.num_heads
+        head_dim = int(self._arch_key("attention.key_length") or hidden // heads)
+        value_dim = int(self._arch_key("attention.value_length") or head_dim)
+        if value_dim != head_dim:
+            raise GGUFError(f"{self.path}: key length {head_dim} != value length {value_dim}")
+        embed = self.raw_tensors["token_embd.weight"]
+        vocab = int(self._arch_key("vocab_size") or embed.shape[-1])
+        tok = self.tokenizer_source
+        config: dict[str, Any] = {
+            "architectures": [architecture],
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self._arch_key("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "intermediate_size": int(self._arch_key("feed_forward_length")),
+            "vocab_size": vocab,
+            "max_position_embeddings": int(self._arch_key("context_length") or 2048),
+            "rms_norm_eps": float(self._arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(self._arch_key("rope.freq_base", 10000.0)),
+            "hidden_act": "silu",
+            "tie_word_embeddings": "output.weight" not in self.raw_tensors,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "torch_dtype": "float32",
+        }
+        scaling = self._rope_scaling()
+        if scaling is not None:
+            config["rope_scaling"] = scaling
+        if tok.pad_token_id is not None:
+            config["pad_token_id"] = tok.pad_token_id
+        bias = "blk.0.attn_q.bias" in self.raw_tensors
+        if model_type in ("llama", "qwen3"):
+            config["attention_bias"] = bias
+        if model_type == "llama":
+            config["mlp_bias"] = False
+        if model_type == "qwen2" and not bias:
+            raise GGUFError(f"{self.path}: a qwen2 model needs q/k/v biases; this file has none")
+        window = self._arch_key("attention.sliding_window")
+        if model_type == "mistral":
+            config["sliding_window"] = None if window is None else int(window)
+        if model_type in ("qwen2", "qwen3"):
+            config["use_sliding_window"] = False
+        return config
+
+    def generation_config(self) -> dict[str, Any]:
+        tok = self.tokenizer_source
+        eos = tok.eos_token_ids
+        out: dict[str, Any] = {
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
+        }
+        if tok.pad_token_id is not None:
+            out["pad_token_id"] = tok.pad_token_id
+        return out
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self._arch_key("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        if kind != "linear":
+            raise GGUFError(f"{self.path}: unsupported RoPE scaling {kind!r} (supported: linear)")
+        return {"rope_type": "linear", "factor": float(self._arch_key("rope.scaling.factor"))}
+
+    # -- tensors --------------------------------------------------------------------------------
+
+    def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor under its HF name, dequantized and cast to `dtype`."""
+        return gt.read_tensor(self, hf_name, dtype)
+
+    def tensor_names(self) -> list[str]:
+        """HF names of every tensor the file holds."""
+        return [gt.hf_name(name) for name in self.raw_tensors]
+
+    def iter_tensors(
+        self, dtype: torch.dtype = torch.float32
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.tensor_names():
+            yield name, self.tensor(name, dtype)
+
+    # -- tokenizer ------------------------------------------------------------------------------
+
+    @cached_property
+    def tokenizer_source(self) -> Any:
+        """The `tokenizer.ggml.*` fields, checked (`tokenizer.GGUFVocab`)."""
+        from pagedserve.gguf.tokenizer import GGUFVocab
+
+        return GGUFVocab.from_metadata(self.path, self.metadata)
+
+    def tokenizer(self) -> Any:
+        """A `tokenizers.Tokenizer` equivalent to the one the model was trained with."""
+        from pagedserve.gguf.tokenizer import build_tokenizer
+
+        return build_tokenizer(self.tokenizer_source)
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        """The `tokenizer_config.json` an HF checkpoint would have (with the chat template)."""
+        from pagedserve.gguf.tokenizer import tokenizer_config
+
+        return tokenizer_config(self.tokenizer_source, self.hf_config()["max_position_embeddings"])

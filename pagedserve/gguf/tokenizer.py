@@ -1,0 +1,247 @@
+"""The tokenizer a GGUF file describes, as a `tokenizers.Tokenizer`.
+
+Supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen, SmolLM...),
+from the file's vocabulary (`tokens`, `token_type`) and ranked `merges`. How text is split
+into words before BPE is not stored, only named (`tokenizer.ggml.pre`); each name means the
+split its model was trained with, as llama.cpp defines it:
+
+    default, gpt2                 GPT-2's pattern
+    smollm, starcoder, refact...  every digit alone, then GPT-2's pattern
+    llama-bpe, llama3, ...        Llama 3's pattern (numbers in runs of up to three digits)
+    qwen2, deepseek-r1-qwen       Qwen2's pattern (every digit alone)
+
+Control tokens (`<|im_end|>`...) are special: matched whole in text and skipped on decode when
+asked; user-defined ones are matched whole and kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+# llama.cpp's token types (gguf.TokenType).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2 = "gpt2"  # tokenizers' built-in ByteLevel pattern
+_DIGITS_THEN_GPT2 = "digits+gpt2"
+PRE_TOKENIZERS: dict[str, str] = {
+    "default": _GPT2,
+    "gpt2": _GPT2,
+    "gpt-2": _GPT2,
+    "smollm": _DIGITS_THEN_GPT2,
+    "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,
+    "codeshell": _DIGITS_THEN_GPT2,
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+}
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """The `tokenizer.*` fields of a GGUF file, checked."""
+
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]
+    merges: tuple[str, ...]
+    pre: str
+    bos_token_id: int | None
+    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # EOS, then end-of-turn / end-of-message tokens
+    unk_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    chat_template: str | None
+
+    @classmethod
+    def from_metadata(cls, path: Path, meta: dict[str, Any]) -> GGUFVocab:
+        from pagedserve.gguf.checkpoint import GGUFError
+
+        kind = meta.get("tokenizer.ggml.model")
+        if kind is None:
+            raise GGUFError(f"{path}: no tokenizer (tokenizer.ggml.model is absent)")
+        if kind != "gpt2":
+            raise GGUFError(
+                f"{path}: unsupported tokenizer model {kind!r} (tokenizer.ggml.model); "
+                "supported: gpt2 (byte-level BPE)"
+            )
+        pre = str(meta.get("tokenizer.ggml.pre", "default"))
+        if pre not in PRE_TOKENIZERS:
+            raise GGUFError(
+                f"{path}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
+                f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            )
+        tokens = tuple(str(t) for t in meta.get("tokenizer.ggml.tokens") or ())
+        merges = tuple(str(m) for m in meta.get("tokenizer.ggml.merges") or ())
+        if not tokens or not merges:
+            raise GGUFError(f"{path}: the tokenizer has no tokens or no merges")
+        types = tuple(int(t) for t in meta.get("tokenizer.ggml.token_type") or ())
+        types = types or (NORMAL,) * len(tokens)
+        if len(types) != len(tokens):
+            raise GGUFError(f"{path}: {len(types)} token types for {len(tokens)} tokens")
+
+        def token_id(key: str) -> int | None:
+            value = meta.get(f"tokenizer.ggml.{key}")
+            if value is None:
+                return None
+            if not 0 <= int(value) < len(tokens):
+                raise GGUFError(f"{path}: tokenizer.ggml.{key} {value} is outside the vocabulary")
+            return int(value)
+
+        eos = token_id("eos_token_id")
+        ends = [eos, token_id("eot_token_id"), token_id("eom_token_id")]
+        eos_ids = tuple(dict.fromkeys(t for t in ends if t is not None))
+        template = meta.get("tokenizer.chat_template")
+        return cls(
+            tokens=tokens,
+            token_types=types,
+            merges=merges,
+            pre=pre,
+            bos_token_id=token_id("bos_token_id"),
+            eos_token_id=eos,
+            eos_token_ids=eos_ids,
+            unk_token_id=token_id("unknown_token_id"),
+            pad_token_id=token_id("padding_token_id"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=template if isinstance(template, str) else None,
+        )
+
+    def token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.tokens[token_id]
+
+
+@cache
+def byte_chars() -> tuple[str, ...]:
+    """GPT-2's byte-to-unicode map, in byte order: printable bytes stand for themselves, the
+    others take the characters from U+0100 on. Byte-level vocabularies are spelled in it."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, shifted = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return tuple(chars)
+
+
+def _byte_spelling(text: str) -> str:
+    """`text` as a byte-level vocabulary writes it (its UTF-8 bytes, each as one character)."""
+    table = byte_chars()
+    return "".join(table[b] for b in text.encode("utf-8"))
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    split = PRE_TOKENIZERS[pre]
+    if split == _GPT2:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split == _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def build_tokenizer(v: GGUFVocab) -> Tokenizer:
+    alphabet = frozenset(byte_chars())
+    vocab: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(v.tokens, v.token_types, strict=True)):
+        # Normal tokens are stored byte-level spelled; a user-defined one may be raw text.
+        spelled = tok if kind == CONTROL or set(tok) <= alphabet else _byte_spelling(tok)
+        vocab[spelled] = i
+    merges: list[tuple[str, str]] = []
+    for merge in v.merges:
+        left, sep, right = merge.partition(" ")
+        if not (left and sep and right):
+            raise ValueError(f"malformed merge {merge!r}")
+        merges.append((left, right))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(v.pre)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind in zip(v.tokens, v.token_types, strict=True)
+            if kind == CONTROL
+        ]
+    )
+    user = [
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind in zip(v.tokens, v.token_types, strict=True)
+        if kind == USER_DEFINED
+    ]
+    if user:
+        tokenizer.add_tokens(user)
+    tokenizer.post_processor = _post_processor(v)
+    return tokenizer
+
+
+def _post_processor(v: GGUFVocab) -> processors.PostProcessor:
+    bos = v.token(v.bos_token_id) if v.add_bos_token else None
+    eos = v.token(v.eos_token_id) if v.add_eos_token else None
+    if bos is None and eos is None:
+        return processors.ByteLevel(trim_offsets=False)
+    pre = f"{bos} " if bos else ""
+    post = f" {eos}" if eos else ""
+    special = [(t, i) for t, i in ((bos, v.bos_token_id), (eos, v.eos_token_id)) if t]
+    return processors.TemplateProcessing(
+        single=f"{pre}$A{post}",
+        pair=f"{pre}$A{post} {pre}$B:1{post}:1",
+        special_tokens=list(dict.fromkeys(special)),
+    )
+
+
+def tokenizer_config(v: GGUFVocab, model_max_length: int) -> dict[str, Any]:
+    """`tokenizer_config.json` for the converted checkpoint."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": v.add_bos_token,
+        "add_eos_token": v.add_eos_token,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+    for key, token_id in (
+        ("bos_token", v.bos_token_id),
+        ("eos_token", v.eos_token_id),
+        ("unk_token", v.unk_token_id),
+        ("pad_token", v.pad_token_id),
+    ):
+        if token_id is not None:
+            config[key] = v.tokens[token_id]
+    if v.chat_template is not None:
+        config["chat_template"] = v.chat_template
+    return config
+
+
+def special_tokens(v: GGUFVocab) -> dict[str, str]:
+    """bos_token, eos_token, ... as a chat template sees them."""
+    config = tokenizer_config(v, 0)
+    keys = ("bos_token", "eos_token", "unk_token", "pad_token")
+    return {k: config[k] for k in keys if k in config}
