@@ -54,6 +54,18 @@ def load_model(
         return _fill(path, config, set(handles), lambda n: handles[n].get_tensor(n), dtype, device)
 
 
+def load_config(model_path: str | Path) -> ModelConfig:
+    """The `ModelConfig` of an HF checkpoint directory or a GGUF file."""
+    try:
+        gguf_file = find_gguf(model_path)
+        if gguf_file is not None:
+            ckpt = open_gguf(gguf_file)
+            return ModelConfig.from_dict(ckpt.hf_config(), ckpt.generation_config())
+    except GGUFError as exc:
+        raise CheckpointError(str(exc)) from exc
+    return ModelConfig.from_dir(model_path)
+
+
 def _fill(
     path: Path,
     config: ModelConfig,

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
+from gpu_worker.checkpoint import load_config
 from gpu_worker.kv_cache import CacheGeometry
-from gpu_worker.models.config import ModelConfig
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 from protos.v1 import control_plane_pb2_grpc as pb_grpc
@@ -22,7 +22,7 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 def kv_bytes_for_blocks(model_dir: Path, num_blocks: int, dtype: str, block_size: int = 16) -> int:
     import torch
 
-    mc = ModelConfig.from_dir(model_dir)
+    mc = load_config(model_dir)
     geometry = CacheGeometry(
         num_layers=mc.num_hidden_layers,
         num_kv_heads=mc.num_key_value_heads,

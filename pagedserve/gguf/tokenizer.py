@@ -208,12 +208,12 @@ def _post_processor(v: GGUFVocab) -> processors.PostProcessor:
     eos = v.token(v.eos_token_id) if v.add_eos_token else None
     if bos is None and eos is None:
         return processors.ByteLevel(trim_offsets=False)
-    pre = f"{bos} " if bos else ""
-    post = f" {eos}" if eos else ""
+    first = [bos, "$A", eos]
+    second = [f"{bos}:1" if bos else None, "$B:1", f"{eos}:1" if eos else None]
     special = [(t, i) for t, i in ((bos, v.bos_token_id), (eos, v.eos_token_id)) if t]
     return processors.TemplateProcessing(
-        single=f"{pre}$A{post}",
-        pair=f"{pre}$A{post} {pre}$B:1{post}:1",
+        single=" ".join(p for p in first if p),
+        pair=" ".join(p for p in first + second if p),
         special_tokens=list(dict.fromkeys(special)),
     )
 
