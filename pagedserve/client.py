@@ -32,6 +32,9 @@ def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
     req = pb.GenerateRequest(sampling=sampling)
     if a.prompt_ids is not None:
         req.token_ids.ids.extend(int(t) for t in a.prompt_ids.split(",") if t.strip())
+    elif a.chat is not None:
+        req.chat.messages.add(role="user", content=a.chat)
+        req.chat.add_generation_prompt = True
     else:
         req.text = a.prompt
     return req

@@ -12,12 +12,13 @@ import httpx
 import pytest
 
 from pagedserve.bench.cli import format_report
-from pagedserve.bench.client import completion_body, send
+from pagedserve.bench.client import request_body, send
 from pagedserve.bench.metrics import distribution, summarize
 from pagedserve.bench.serve import ServeConfig, arrival_times, run
 from pagedserve.bench.workload import (
     BenchRequest,
     LengthRange,
+    chat_requests,
     random_requests,
     shared_prefix_requests,
 )
@@ -26,15 +27,23 @@ from tests.gateway_stack import GatewayStack, shared_gateway_stack
 
 
 def _sse(req: httpx.Request) -> httpx.Response:
-    """A fake /v1/completions: one chunk per token, then usage and [DONE]."""
+    """A fake /v1/completions and /v1/chat/completions: one chunk per token (a chat stream
+    opens with a role-only delta), then usage and [DONE]."""
     if req.url.path == "/v1/models":
         return httpx.Response(200, json={"data": [{"id": "fake"}]})
     body = json.loads(req.content)
     if body["model"] != "fake" or not body["stream"]:
         return httpx.Response(400, json={"error": {"message": "bad"}})
     n = body["max_tokens"]
-    lines = [json.dumps({"choices": [{"index": 0, "text": f"t{i}"}]}) for i in range(n)]
-    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+    if req.url.path == "/v1/chat/completions":
+        choices = [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
+        choices += [{"index": 0, "delta": {"content": f"t{i}"}} for i in range(n)]
+        prompt_tokens = 7
+    else:
+        choices = [{"index": 0, "text": f"t{i}"} for i in range(n)]
+        prompt_tokens = len(body["prompt"])
+    lines = [json.dumps({"choices": [c]}) for c in choices]
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n}
     lines.append(json.dumps({"choices": [], "usage": usage}))
     text = "".join(f"data: {line}\n\n" for line in lines) + "data: [DONE]\n\n"
     return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
@@ -63,16 +72,23 @@ def test_arrival_schedules() -> None:
 def test_send_times_every_chunk_and_reads_usage() -> None:
     async def go() -> None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(_sse)) as client:
-            res = await send(client, "http://fake/v1/completions", BenchRequest([5, 6], 4), "fake")
+            res = await send(client, "http://fake", BenchRequest([5, 6], 4), "fake")
             assert res.ok and res.output_tokens == 4 and len(res.chunk_times) == 4
             assert 0 <= res.ttft <= res.latency and len(res.itls) == 3
             assert res.tpot is not None
-            bad = await send(client, "http://fake/v1/completions", BenchRequest([5], 2), "other")
+            chat = await send(client, "http://fake", chat_requests(1, 3)[0], "fake", False)
+            # The role-only opening delta is not the first token.
+            assert chat.ok and chat.output_tokens == 3 and len(chat.chunk_times) == 3
+            assert chat.prompt_tokens == 7
+            bad = await send(client, "http://fake", BenchRequest([5], 2), "other")
             assert not bad.ok and bad.error is not None and "HTTP 400" in bad.error
 
     asyncio.run(go())
-    body = completion_body(BenchRequest([1, 2], 3), "m", ignore_eos=True)
+    body = request_body(BenchRequest([1, 2], 3), "m", ignore_eos=True)
     assert body["stream"] and body["ignore_eos"] and body["stream_options"]["include_usage"]
+    chat = request_body(chat_requests(2, 9, round_=1)[1], "m", ignore_eos=False)
+    assert chat["messages"] == [{"role": "user", "content": "Please answer: What is 2 + 2?"}]
+    assert "prompt" not in chat and chat["max_tokens"] == 9
 
 
 def test_run_and_summaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

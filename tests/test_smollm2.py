@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.chat_prompts import CHAT_PROMPTS
 from control_plane.chat import render_chat
 from control_plane.tokenizer import load_tokenizer
+from pagedserve.bench.chat_prompts import CHAT_PROMPTS
 from pagedserve.gguf import convert_gguf
 from pagedserve.model_source import smollm2_gguf
 from protos.v1 import control_plane_pb2 as pb

@@ -14,6 +14,7 @@ from typing import Any
 from pagedserve.bench.workload import (
     BenchRequest,
     LengthRange,
+    chat_requests,
     random_requests,
     shared_prefix_requests,
 )
@@ -47,7 +48,13 @@ def register_bench(sub: Any) -> None:
     s.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     s.add_argument("--api-key", default=None)
     s.add_argument("--num-prompts", type=int, default=64)
-    s.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
+    s.add_argument(
+        "--dataset",
+        choices=["random", "shared-prefix", "chat"],
+        default="random",
+        help="chat: 64 real chat prompts (for SmolLM2), sent to /v1/chat/completions with "
+        "--output-len's upper bound as max_tokens; pair with --no-ignore-eos",
+    )
     s.add_argument("--prompt-len", type=_lengths, default=LengthRange(32, 256), help="N or LO:HI")
     s.add_argument("--output-len", type=_lengths, default=LengthRange(32, 256), help="N or LO:HI")
     s.add_argument("--prefix-len", type=int, default=128, help="shared-prefix: prefix tokens")
@@ -74,6 +81,8 @@ def register_bench(sub: Any) -> None:
 
 
 def build_requests(a: argparse.Namespace) -> list[BenchRequest]:
+    if a.dataset == "chat":
+        return chat_requests(a.num_prompts, a.output_len.hi)
     if a.dataset == "shared-prefix":
         return shared_prefix_requests(
             a.num_prompts,

@@ -40,21 +40,37 @@ class RequestResult:
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
-def completion_body(req: BenchRequest, model: str, ignore_eos: bool) -> dict[str, Any]:
-    return {
+def request_path(req: BenchRequest) -> str:
+    return "/v1/chat/completions" if req.chat is not None else "/v1/completions"
+
+
+def request_body(req: BenchRequest, model: str, ignore_eos: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": model,
-        "prompt": req.prompt,
         "max_tokens": req.max_tokens,
         "temperature": 0.0,
         "ignore_eos": ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if req.chat is not None:
+        body["messages"] = [{"role": "user", "content": req.chat}]
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+def _has_content(choice: dict[str, Any]) -> bool:
+    """A chunk that carries output: any completion chunk, a chat delta with content (a chat
+    stream opens with a role-only delta and may close with an empty one)."""
+    if "delta" in choice:
+        return bool(choice["delta"].get("content"))
+    return True
 
 
 async def send(
     client: httpx.AsyncClient,
-    url: str,
+    base_url: str,
     req: BenchRequest,
     model: str,
     ignore_eos: bool = True,
@@ -66,7 +82,8 @@ async def send(
     counted = 0
     usage_tokens: int | None = None
     try:
-        body = completion_body(req, model, ignore_eos)
+        body = request_body(req, model, ignore_eos)
+        url = base_url.rstrip("/") + request_path(req)
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
@@ -85,7 +102,8 @@ async def send(
                     return res
                 if chunk.get("usage"):
                     usage_tokens = int(chunk["usage"].get("completion_tokens", 0))
-                if chunk.get("choices"):
+                    res.prompt_tokens = int(chunk["usage"].get("prompt_tokens", res.prompt_tokens))
+                if any(_has_content(c) for c in chunk.get("choices") or ()):
                     if not res.chunk_times:
                         res.ttft = now
                     res.chunk_times.append(now)

@@ -52,10 +52,6 @@ class ServeConfig:
             raise ValueError("max_concurrency must be >= 1")
 
     @property
-    def completions_url(self) -> str:
-        return self.base_url.rstrip("/") + "/v1/completions"
-
-    @property
     def headers(self) -> dict[str, str] | None:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
 
@@ -121,7 +117,7 @@ async def run_rate(
 
     async def one(req: BenchRequest) -> RequestResult:
         async with limit:
-            res = await send(client, cfg.completions_url, req, model, cfg.ignore_eos, cfg.headers)
+            res = await send(client, cfg.base_url, req, model, cfg.ignore_eos, cfg.headers)
         progress.update()
         return res
 
@@ -146,8 +142,8 @@ async def run(cfg: ServeConfig, requests: Sequence[BenchRequest]) -> dict[str, A
         for req in requests[: cfg.num_warmup]:
             warm = await send(
                 client,
-                cfg.completions_url,
-                BenchRequest(req.prompt[:16], 4),
+                cfg.base_url,
+                BenchRequest(req.prompt[:16], 4, req.chat),
                 model,
                 cfg.ignore_eos,
                 cfg.headers,

@@ -37,8 +37,23 @@ class LengthRange:
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """A completion of token ids `prompt`, or (when `chat` is set) a chat turn whose user
+    message is `chat` (then `prompt` is empty)."""
+
     prompt: list[int]
     max_tokens: int
+    chat: str | None = None
+
+
+def chat_requests(num: int, max_tokens: int, round_: int = 0) -> list[BenchRequest]:
+    """The first `num` chat prompts (cycled), each opened with round `round_`'s lead-in."""
+    from pagedserve.bench.chat_prompts import CHAT_PROMPTS, LEAD_INS
+
+    lead = LEAD_INS[round_ % len(LEAD_INS)]
+    return [
+        BenchRequest([], max_tokens, chat=lead + CHAT_PROMPTS[i % len(CHAT_PROMPTS)])
+        for i in range(num)
+    ]
 
 
 def random_requests(

@@ -1,6 +1,9 @@
 """64 chat prompts for SmolLM2-135M-Instruct: short questions, requests for lists, rewrites and
 explanations, so that answers stop by themselves (EOS) at lengths from a few tokens to a few
-hundred. Used by the chat serving benchmark and (the first 16) by the real-model tests."""
+hundred. `pagedserve bench serve --dataset chat` sends them; the real-model tests use some.
+
+`LEAD_INS` give each round of a repeated benchmark its own prompts (a different opening to
+every question), so a server's prefix cache cannot answer a round from the one before."""
 
 from __future__ import annotations
 
@@ -71,4 +74,13 @@ CHAT_PROMPTS: tuple[str, ...] = (
     "Explain the difference between renewable and non-renewable energy, with examples.",
 )
 
-assert len(CHAT_PROMPTS) == 64
+LEAD_INS: tuple[str, ...] = (
+    "",
+    "Please answer: ",
+    "Quick question. ",
+    "I was wondering: ",
+    "Help me out. ",
+    "Here is my question. ",
+    "Tell me, ",
+    "One more thing. ",
+)
