@@ -16,7 +16,8 @@
  * contiguous run per block, for the `rep` = H / KV query heads of each kv head. A batch with
  * fewer sequences than twice the threads splits each sequence's kv heads over several items.
  * Context tokens go in tiles of 16 (any block size: each token's row is found through the
- * table); the next tile's rows are prefetched into L2 while one is computed.
+ * table); the next tile's rows are prefetched into L2 while one is computed, a share of them
+ * with each head's work (prefetch_share).
  *
  * Scores: for a query head and a tile, the 16 dot products q . k_t are formed as 16 vectors
  * of 16 partial sums (D / 16 multiply-adds each) and reduced together by a transposing tree
@@ -124,14 +125,33 @@ static inline void prefetch_tile(const float *base, const int64_t *off, int n) {
         for (int c = 0; c < n; c += TILE) __builtin_prefetch(base + off[t] + c, 0, 2);
 }
 
-/* The offsets of the tile after the one at j0 into `next`, and its rows (`n` floats from each
- * offset into `base`) prefetched; false, doing nothing, when j0's tile is the last. */
+/* The offsets of the tile after the one at j0 into `next`; false, doing nothing, when j0's
+ * tile is the last. */
 static inline int advance_tile(int64_t *next, const int32_t *table, int j0, int len,
-                               int block_size, int64_t row, const float *base, int n) {
+                               int block_size, int64_t row) {
     if (j0 + TILE >= len) return 0;
     tile_offsets(next, table, j0 + TILE, len, block_size, row);
-    prefetch_tile(base, next, n);
     return 1;
+}
+
+/* Share x of `parts` of prefetch_tile's work (the tile's cache lines, `n` floats from each
+ * offset, split evenly). Issued one share per head while the current tile is computed, the
+ * requests reach memory at an even pace. Measured on SmolLM2's shapes (192 lines a tile) with
+ * the pool in DRAM: one burst per tile was no faster than no prefetch at all; spread, the
+ * kernel takes 1.3x less time, and no more with the pool in cache. */
+static inline void prefetch_share(const float *base, const int64_t *off, int n, int x,
+                                  int parts) {
+    const int per_row = n / TILE, total = TILE * per_row;
+    const int per = (total + parts - 1) / parts;
+    const int end = (x + 1) * per < total ? (x + 1) * per : total;
+    int k = x * per, t = k / per_row, c = k - t * per_row;
+    for (; k < end; k++) {
+        __builtin_prefetch(base + off[t] + c * TILE, 0, 2);
+        if (++c == per_row) {
+            c = 0;
+            t++;
+        }
+    }
 }
 
 /* Query heads of kv heads g0 .. g0+ng-1 of one sequence (nh = ng * rep heads, contiguous in q
@@ -153,9 +173,10 @@ static inline __attribute__((always_inline)) void decode_heads(
     memcpy(tiles[0], first, sizeof first);
     for (int j0 = 0, cur = 0; j0 < len; j0 += TILE, cur ^= 1) {
         const int64_t *off = tiles[cur];
-        if (!advance_tile(tiles[cur ^ 1], table, j0, len, block_size, row, kg, ng * D))
-            prefetch_tile(vg, first, ng * D); /* the V pass starts there */
+        const int more = advance_tile(tiles[cur ^ 1], table, j0, len, block_size, row);
+        if (!more) prefetch_tile(vg, first, ng * D); /* the V pass starts there */
         for (int i = 0; i < nh; i++) {
+            if (more) prefetch_share(kg, tiles[cur ^ 1], ng * D, i, nh);
             const float *qi = qbuf + (int64_t)i * D, *ki = kg + (int64_t)(i / rep) * D;
             v16 p[TILE];
             for (int t = 0; t < TILE; t++) {
@@ -192,8 +213,9 @@ static inline __attribute__((always_inline)) void decode_heads(
     memcpy(tiles[0], first, sizeof first);
     for (int j0 = 0, cur = 0; j0 < len; j0 += TILE, cur ^= 1) {
         const int64_t *off = tiles[cur];
-        advance_tile(tiles[cur ^ 1], table, j0, len, block_size, row, vg, ng * D);
+        const int more = advance_tile(tiles[cur ^ 1], table, j0, len, block_size, row);
         for (int i = 0; i < nh; i++) {
+            if (more) prefetch_share(vg, tiles[cur ^ 1], ng * D, i, nh);
             const float *w = scores + (int64_t)i * stride + j0, *vi = vg + (int64_t)(i / rep) * D;
             float *ai = acc + (int64_t)i * D;
             v16 a0[MAX_HEAD_DIM / TILE], a1[MAX_HEAD_DIM / TILE];
