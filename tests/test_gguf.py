@@ -280,3 +280,61 @@ def test_convert_is_atomic(gguf_model, tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(OSError, match="No space left"):
         convert_gguf(path, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- SentencePiece vocabularies (Llama 2, Mistral 7B GGUFs) ---------------------------------------
+
+_SPM_PIECES = (
+    [f"{chr(0x2581)}{w}" for w in ("the", "th", "a", "of", "an", "and", "in", "to", "o", "t")]
+    + ["th", "he", "in", "er", "an", "re", "on", "at", "en", "nd", "ing", "ion", "es", "or"]
+    + [chr(0x2581)]
+    + list("abcdefghijklmnopqrstuvwxyz.,!?'")
+)
+
+
+def _write_sentencepiece(path: Path, add_space_prefix: bool = True) -> Path:
+    """A GGUF whose tokenizer is SentencePiece BPE, without merges: pieces ranked by score,
+    byte tokens for everything else, as llama.cpp writes Llama 2's vocabulary."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *_SPM_PIECES]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(_SPM_PIECES)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(_SPM_PIECES))]
+    w = GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_head_count(4)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_space_prefix(add_space_prefix)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path: Path) -> None:
+    path = _write_sentencepiece(tmp_path / "spm.gguf")
+    ours = open_gguf(path).tokenizer()
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = [
+        "the theory of things, and the other one.",
+        "Hello World! naïve ünïcödé 🙂 123  two  spaces",
+        " leading space and trailing ",
+        "in</s>between <s> specials",
+    ]
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == theirs(text)["input_ids"], text
+        assert ids[0] == 1  # BOS: SentencePiece vocabularies add it by default
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(
+            ids, skip_special_tokens=True
+        )
+    ids = ours.encode("the theory").ids
+    assert [ours.id_to_token(i) for i in ids] == ["<s>", "▁the", "▁the", "or", "y"]
+    assert ours.decode(ours.encode("naïve 🙂").ids, skip_special_tokens=True) == "naïve 🙂"

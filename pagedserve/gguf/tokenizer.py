@@ -1,9 +1,18 @@
 """The tokenizer a GGUF file describes, as a `tokenizers.Tokenizer`.
 
-Supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen, SmolLM...),
-from the file's vocabulary (`tokens`, `token_type`) and ranked `merges`. How text is split
-into words before BPE is not stored, only named (`tokenizer.ggml.pre`); each name means the
-split its model was trained with, as llama.cpp defines it:
+Two kinds (`tokenizer.ggml.model`):
+
+* `gpt2`, byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM...), from the file's vocabulary
+  (`tokens`, `token_type`) and ranked `merges`;
+* `llama`, SentencePiece BPE (Llama 2, Mistral 7B...): pieces spelled with `▁` for a space,
+  ranked by their `scores` (merges, when the file has none, follow from them: a piece splits
+  into two pieces of the vocabulary, merged at the piece's rank), characters outside the
+  vocabulary spelled as byte tokens `<0x..>`, a `▁` before the text unless
+  `add_space_prefix` is false.
+
+How byte-level text is split into words before BPE is not stored, only named
+(`tokenizer.ggml.pre`); each name means the split its model was trained with, as llama.cpp
+defines it:
 
     default, gpt2                 GPT-2's pattern
     smollm, starcoder, refact...  every digit alone, then GPT-2's pattern
@@ -25,6 +34,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 # llama.cpp's token types (gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+BYTE_LEVEL, SENTENCEPIECE = "gpt2", "llama"
+SPACE = "\u2581"  # SentencePiece's visible space
 
 _LLAMA3 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -58,10 +69,13 @@ PRE_TOKENIZERS: dict[str, str] = {
 class GGUFVocab:
     """The `tokenizer.*` fields of a GGUF file, checked."""
 
+    model: str  # BYTE_LEVEL or SENTENCEPIECE
     tokens: tuple[str, ...]
     token_types: tuple[int, ...]
-    merges: tuple[str, ...]
+    merges: tuple[str, ...]  # "left right", best first; may be empty for SentencePiece
+    scores: tuple[float, ...]  # SentencePiece piece scores (higher merges first)
     pre: str
+    add_space_prefix: bool
     bos_token_id: int | None
     eos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # EOS, then end-of-turn / end-of-message tokens
@@ -78,21 +92,26 @@ class GGUFVocab:
         kind = meta.get("tokenizer.ggml.model")
         if kind is None:
             raise GGUFError(f"{path}: no tokenizer (tokenizer.ggml.model is absent)")
-        if kind != "gpt2":
+        if kind not in (BYTE_LEVEL, SENTENCEPIECE):
             raise GGUFError(
                 f"{path}: unsupported tokenizer model {kind!r} (tokenizer.ggml.model); "
-                "supported: gpt2 (byte-level BPE)"
+                "supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)"
             )
         pre = str(meta.get("tokenizer.ggml.pre", "default"))
-        if pre not in PRE_TOKENIZERS:
+        if kind == BYTE_LEVEL and pre not in PRE_TOKENIZERS:
             raise GGUFError(
                 f"{path}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
                 f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
             )
         tokens = tuple(str(t) for t in meta.get("tokenizer.ggml.tokens") or ())
         merges = tuple(str(m) for m in meta.get("tokenizer.ggml.merges") or ())
-        if not tokens or not merges:
-            raise GGUFError(f"{path}: the tokenizer has no tokens or no merges")
+        scores = tuple(float(x) for x in meta.get("tokenizer.ggml.scores") or ())
+        if not tokens:
+            raise GGUFError(f"{path}: the tokenizer has no tokens")
+        if kind == BYTE_LEVEL and not merges:
+            raise GGUFError(f"{path}: the byte-level tokenizer has no merges")
+        if kind == SENTENCEPIECE and not merges and len(scores) != len(tokens):
+            raise GGUFError(f"{path}: the SentencePiece tokenizer has neither merges nor scores")
         types = tuple(int(t) for t in meta.get("tokenizer.ggml.token_type") or ())
         types = types or (NORMAL,) * len(tokens)
         if len(types) != len(tokens):
@@ -111,16 +130,20 @@ class GGUFVocab:
         eos_ids = tuple(dict.fromkeys(t for t in ends if t is not None))
         template = meta.get("tokenizer.chat_template")
         return cls(
+            model=kind,
             tokens=tokens,
             token_types=types,
             merges=merges,
+            scores=scores,
             pre=pre,
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
             bos_token_id=token_id("bos_token_id"),
             eos_token_id=eos,
             eos_token_ids=eos_ids,
             unk_token_id=token_id("unknown_token_id"),
             pad_token_id=token_id("padding_token_id"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp's defaults: SentencePiece vocabularies start every text with BOS.
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", kind == SENTENCEPIECE)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=template if isinstance(template, str) else None,
         )
@@ -170,21 +193,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 
 def build_tokenizer(v: GGUFVocab) -> Tokenizer:
-    alphabet = frozenset(byte_chars())
-    vocab: dict[str, int] = {}
-    for i, (tok, kind) in enumerate(zip(v.tokens, v.token_types, strict=True)):
-        # Normal tokens are stored byte-level spelled; a user-defined one may be raw text.
-        spelled = tok if kind == CONTROL or set(tok) <= alphabet else _byte_spelling(tok)
-        vocab[spelled] = i
-    merges: list[tuple[str, str]] = []
-    for merge in v.merges:
-        left, sep, right = merge.partition(" ")
-        if not (left and sep and right):
-            raise ValueError(f"malformed merge {merge!r}")
-        merges.append((left, right))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(v.pre)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = _byte_level(v) if v.model == BYTE_LEVEL else _sentencepiece(v)
     tokenizer.add_special_tokens(
         [
             AddedToken(tok, special=True, normalized=False)
@@ -201,6 +210,63 @@ def build_tokenizer(v: GGUFVocab) -> Tokenizer:
         tokenizer.add_tokens(user)
     tokenizer.post_processor = _post_processor(v)
     return tokenizer
+
+
+def _parse_merges(merges: tuple[str, ...]) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if not (left and sep and right):
+            raise ValueError(f"malformed merge {merge!r}")
+        out.append((left, right))
+    return out
+
+
+def _byte_level(v: GGUFVocab) -> Tokenizer:
+    alphabet = frozenset(byte_chars())
+    vocab: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(v.tokens, v.token_types, strict=True)):
+        # Normal tokens are stored byte-level spelled; a user-defined one may be raw text.
+        spelled = tok if kind == CONTROL or set(tok) <= alphabet else _byte_spelling(tok)
+        vocab[spelled] = i
+    model = models.BPE(vocab=vocab, merges=_parse_merges(v.merges), fuse_unk=False)
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = _pre_tokenizer(v.pre)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece(v: GGUFVocab) -> Tokenizer:
+    vocab = {tok: i for i, tok in enumerate(v.tokens)}
+    merges = _parse_merges(v.merges) if v.merges else merges_from_scores(v.tokens, v.scores)
+    unk = v.token(v.unk_token_id)
+    model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    prepend = "first" if v.add_space_prefix else "never"
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SPACE, prepend_scheme=prepend, split=False
+    )
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if v.add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def merges_from_scores(tokens: tuple[str, ...], scores: tuple[float, ...]) -> list[tuple[str, str]]:
+    """SentencePiece BPE as merges: every split of a piece into two pieces of the vocabulary
+    is a merge ranked by the piece's score (higher first); among equal scores longer left,
+    then longer right parts first, then vocabulary order."""
+    ids = {tok: i for i, tok in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, int, int, int, str, str]] = []
+    for piece, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                key = (-score, -len(left), -len(right), ids[piece], ids[left], ids[right])
+                ranked.append((*key, left, right))
+    ranked.sort(key=lambda r: r[:6])
+    return [(r[6], r[7]) for r in ranked]
 
 
 def _post_processor(v: GGUFVocab) -> processors.PostProcessor:
