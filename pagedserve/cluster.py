@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import os
 import shutil
 import signal
@@ -32,36 +31,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 READY_TIMEOUT_S = 300.0
 DEFAULT_HTTP_PORT = 8000
-_PR_SET_PDEATHSIG = 1
-
-
-def _find_prctl() -> Callable[..., int] | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None  # not Linux: children outlive a killed parent
-
-
-_PRCTL = _find_prctl()  # looked up here: the child between fork and exec should do little
-
-
-def _die_with_parent() -> None:
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
+        # Through child_exec, which makes the child die with this process: nothing runs
+        # between fork and exec here (this process has gRPC's threads by then).
+        guard = [sys.executable, "-m", "pagedserve.child_exec", str(os.getpid())]
         self.proc = subprocess.Popen(
-            argv,
+            [*guard, *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
             text=True,
             bufsize=1,
             start_new_session=True,
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,
         )
         self._pump = threading.Thread(target=self._prefix, daemon=True)
         self._pump.start()

@@ -144,14 +144,15 @@ def test_services_stop_on_sigint_and_sigterm_even_when_sigint_was_ignored(
         "worker": ["worker", "--model", str(micro_llama), "--port", str(wport)],
         "control-plane": ["control-plane", "--port", str(cport), "--workers", f"127.0.0.1:{wport}"],
     }
+    commands["worker"] += ["--kv-cache-memory", "16MiB"]
+    # As a shell starts a background job: SIGINT ignored, and exec keeps it ignored. (Not a
+    # preexec_fn: Python code between fork and exec in this threaded process can abort.)
+    ignore_sigint = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.cli", *args, "--kv-cache-memory", "16MiB"]
-            if name == "worker"
-            else [sys.executable, "-m", "pagedserve.cli", *args],
+            [*ignore_sigint, sys.executable, "-m", "pagedserve.cli", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )
         for name, args in commands.items()
     }
@@ -170,3 +171,43 @@ def test_services_stop_on_sigint_and_sigterm_even_when_sigint_was_ignored(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_up_children_die_with_up() -> None:
+    """`up` starts every child through `pagedserve.child_exec`: killed without a chance to
+    clean up, `up` still takes its children with it."""
+    parent_code = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-m', 'pagedserve.child_exec',"
+        " str(os.getpid()), 'sleep', '120'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    child_pid = int(parent.stdout.readline())
+    time.sleep(0.5)  # the child has exec'd `sleep` by now
+    with open(f"/proc/{child_pid}/cmdline", "rb") as f:
+        assert f.read().startswith(b"sleep")
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child_pid):
+        time.sleep(0.1)
+    assert not _alive(child_pid)
+    # A guard whose parent is already gone refuses to start the program at all.
+    orphan = subprocess.run(
+        [sys.executable, "-m", "pagedserve.child_exec", "1", "true"], timeout=30
+    )
+    assert orphan.returncode == 1
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
