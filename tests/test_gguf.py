@@ -171,8 +171,11 @@ def test_the_tokenizer_round_trips_through_gguf(gguf_model) -> None:
 # -- bad files ----------------------------------------------------------------------------------
 
 
-def _write_minimal(path: Path, arch: str, tensor_type: object = None, pre: str = "default") -> Path:
-    """A small GGUF with one embedding tensor (optionally raw bytes of `tensor_type`)."""
+def _write_minimal(
+    path: Path, arch: str, tensor_type: object = None, pre: str = "default", extra: str = ""
+) -> Path:
+    """A small GGUF with one embedding tensor (optionally raw bytes of `tensor_type`), and a
+    float32 tensor named `extra` when given."""
     w = GGUFWriter(str(path), arch)
     for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64)):
         w.add_uint32(f"{arch}.{key}", value)
@@ -186,6 +189,8 @@ def _write_minimal(path: Path, arch: str, tensor_type: object = None, pre: str =
     else:
         raw = np.zeros((3, 18), dtype=np.uint8)  # one 32-element block per row
         w.add_tensor("token_embd.weight", raw, raw_shape=raw.shape, raw_dtype=tensor_type)
+    if extra:
+        w.add_tensor(extra, np.ones(32, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -212,6 +217,8 @@ def test_bad_files_fail_with_a_clear_error(gguf_model, tmp_path: Path) -> None:
         open_gguf(_write_minimal(tmp_path / "falcon.gguf", "falcon"))
     with pytest.raises(GGUFError, match="token_embd.weight is stored as IQ4_NL"):
         open_gguf(_write_minimal(tmp_path / "iq.gguf", "llama", Q.IQ4_NL))
+    with pytest.raises(GGUFError, match="rope_freqs.weight .* is not supported"):
+        open_gguf(_write_minimal(tmp_path / "rope.gguf", "llama", extra="rope_freqs.weight"))
     with pytest.raises(GGUFError, match="unsupported pre-tokenizer 'chatglm-bpe'"):
         open_gguf(_write_minimal(tmp_path / "pre.gguf", "llama", pre="chatglm-bpe"))
     with pytest.raises(CheckpointError, match="missing 10 tensor.*input_layernorm"):

@@ -86,6 +86,11 @@ def check_tensors(ckpt: GGUFCheckpoint) -> None:
 
     supported = _supported_types()
     for t in ckpt.reader.tensors:
+        if t.name == "rope_freqs.weight":
+            raise GGUFError(
+                f"{ckpt.path}: rope_freqs.weight (per-frequency RoPE factors, Llama 3.1's "
+                "scaling) is not supported"
+            )
         try:
             hf_name(t.name)
         except ValueError as exc:
