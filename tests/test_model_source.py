@@ -85,7 +85,9 @@ def test_the_default_model_is_smollm2_from_the_wheel(
     assert smollm2_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     path = resolve_model(None)
-    assert path == tmp_path / "models" / DEFAULT_MODEL_NAME
+    assert path.name == DEFAULT_MODEL_NAME  # the served name
+    assert path.parent.parent == tmp_path / "models"
+    assert path.parent.name.startswith(f"{DEFAULT_MODEL_NAME}-0.1.2-c")
     names = sorted(p.name for p in path.iterdir())
     assert names == [
         "config.json",

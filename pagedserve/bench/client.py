@@ -1,4 +1,5 @@
-"""One streaming completion against an OpenAI-compatible `/v1/completions`, timed per chunk."""
+"""One streaming request against an OpenAI-compatible server (`/v1/completions`, or
+`/v1/chat/completions` for a chat request), timed per chunk."""
 
 from __future__ import annotations
 

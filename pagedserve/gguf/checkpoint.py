@@ -114,11 +114,28 @@ class GGUFCheckpoint:
     def _arch_key(self, key: str, default: Any = None) -> Any:
         return self.get(f"{self.gguf_architecture}.{key}", default)
 
+    def _count(self, key: str, default: int | None = None) -> int:
+        """A positive integer field; one given per layer must be the same for every layer."""
+        value = self._arch_key(key, default)
+        if isinstance(value, list) and value and all(v == value[0] for v in value):
+            value = value[0]  # per-layer, all alike
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            name = f"{self.gguf_architecture}.{key}"
+            raise GGUFError(f"{self.path}: {name} must be a positive integer, got {value!r}")
+        return value
+
+    def _number(self, key: str, default: float) -> float:
+        value = self._arch_key(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            name = f"{self.gguf_architecture}.{key}"
+            raise GGUFError(f"{self.path}: {name} must be a positive number, got {value!r}")
+        return float(value)
+
     @cached_property
     def num_heads(self) -> tuple[int, int]:
         """(query heads, key/value heads)."""
-        heads = int(self._arch_key("attention.head_count"))
-        return heads, int(self._arch_key("attention.head_count_kv") or heads)
+        heads = self._count("attention.head_count")
+        return heads, self._count("attention.head_count_kv", heads)
 
     @cached_property
     def raw_tensors(self) -> dict[str, Any]:
@@ -146,6 +163,7 @@ class GGUFCheckpoint:
                 raise GGUFError(f"{self.path}: tensor {t.name} runs past the end of the file")
         gt.check_tensors(self)
         self.tokenizer_source  # noqa: B018 -- raises GGUFError for an unsupported tokenizer
+        self.hf_config()  # raises GGUFError for shapes or features that cannot be served
 
     # -- Hugging Face views ---------------------------------------------------------------------
 
@@ -153,28 +171,28 @@ class GGUFCheckpoint:
         """The `config.json` an HF checkpoint of this model would have."""
         arch = self.gguf_architecture
         architecture, model_type = ARCHITECTURES[arch]
-        hidden = int(self._arch_key("embedding_length"))
+        hidden = self._count("embedding_length")
         heads, kv_heads = self.num_heads
-        head_dim = int(self._arch_key("attention.key_length") or hidden // heads)
-        value_dim = int(self._arch_key("attention.value_length") or head_dim)
+        head_dim = self._count("attention.key_length", hidden // heads)
+        value_dim = self._count("attention.value_length", head_dim)
         if value_dim != head_dim:
             raise GGUFError(f"{self.path}: key length {head_dim} != value length {value_dim}")
         embed = self.raw_tensors["token_embd.weight"]
-        vocab = int(self._arch_key("vocab_size") or embed.shape[-1])
+        vocab = self._count("vocab_size", int(embed.shape[-1]))
         tok = self.tokenizer_source
         config: dict[str, Any] = {
             "architectures": [architecture],
             "model_type": model_type,
             "hidden_size": hidden,
-            "num_hidden_layers": int(self._arch_key("block_count")),
+            "num_hidden_layers": self._count("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
             "head_dim": head_dim,
-            "intermediate_size": int(self._arch_key("feed_forward_length")),
+            "intermediate_size": self._count("feed_forward_length"),
             "vocab_size": vocab,
-            "max_position_embeddings": int(self._arch_key("context_length") or 2048),
-            "rms_norm_eps": float(self._arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(self._arch_key("rope.freq_base", 10000.0)),
+            "max_position_embeddings": self._count("context_length", 2048),
+            "rms_norm_eps": self._number("attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": self._number("rope.freq_base", 10000.0),
             "hidden_act": "silu",
             "tie_word_embeddings": "output.weight" not in self.raw_tensors,
             "bos_token_id": tok.bos_token_id,
@@ -217,7 +235,7 @@ class GGUFCheckpoint:
             return None
         if kind != "linear":
             raise GGUFError(f"{self.path}: unsupported RoPE scaling {kind!r} (supported: linear)")
-        return {"rope_type": "linear", "factor": float(self._arch_key("rope.scaling.factor"))}
+        return {"rope_type": "linear", "factor": self._number("rope.scaling.factor", 0.0)}
 
     # -- tensors --------------------------------------------------------------------------------
 

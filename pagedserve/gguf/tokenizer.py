@@ -14,7 +14,7 @@ How byte-level text is split into words before BPE is not stored, only named
 (`tokenizer.ggml.pre`); each name means the split its model was trained with, as llama.cpp
 defines it:
 
-    default, gpt2                 GPT-2's pattern
+    gpt2                          GPT-2's pattern
     smollm, starcoder, refact...  every digit alone, then GPT-2's pattern
     llama-bpe, llama3, ...        Llama 3's pattern (numbers in runs of up to three digits)
     qwen2, deepseek-r1-qwen       Qwen2's pattern (every digit alone)
@@ -47,8 +47,9 @@ _QWEN2 = (
 )
 _GPT2 = "gpt2"  # tokenizers' built-in ByteLevel pattern
 _DIGITS_THEN_GPT2 = "digits+gpt2"
+# llama.cpp's `default` (what a file without the key gets) is a split of its own, not GPT-2's:
+# not supported, rather than silently splitting text another way than the model was trained.
 PRE_TOKENIZERS: dict[str, str] = {
-    "default": _GPT2,
     "gpt2": _GPT2,
     "gpt-2": _GPT2,
     "smollm": _DIGITS_THEN_GPT2,
@@ -97,7 +98,7 @@ class GGUFVocab:
                 f"{path}: unsupported tokenizer model {kind!r} (tokenizer.ggml.model); "
                 "supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)"
             )
-        pre = str(meta.get("tokenizer.ggml.pre", "default"))
+        pre = str(meta.get("tokenizer.ggml.pre", "default"))  # llama.cpp's name when absent
         if kind == BYTE_LEVEL and pre not in PRE_TOKENIZERS:
             raise GGUFError(
                 f"{path}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
@@ -201,10 +202,14 @@ def build_tokenizer(v: GGUFVocab) -> Tokenizer:
             if kind == CONTROL
         ]
     )
+    # A user-defined token is matched whole in text; one whose raw text a byte-level vocab
+    # had to respell (a space, a newline...) stays a plain vocab entry: added under its raw
+    # text it would get a new id past the embedding.
+    alphabet = frozenset(byte_chars())
     user = [
         AddedToken(tok, special=False, normalized=False)
         for tok, kind in zip(v.tokens, v.token_types, strict=True)
-        if kind == USER_DEFINED
+        if kind == USER_DEFINED and (v.model != BYTE_LEVEL or set(tok) <= alphabet)
     ]
     if user:
         tokenizer.add_tokens(user)
@@ -229,7 +234,11 @@ def _byte_level(v: GGUFVocab) -> Tokenizer:
         # Normal tokens are stored byte-level spelled; a user-defined one may be raw text.
         spelled = tok if kind == CONTROL or set(tok) <= alphabet else _byte_spelling(tok)
         vocab[spelled] = i
-    model = models.BPE(vocab=vocab, merges=_parse_merges(v.merges), fuse_unk=False)
+    # Llama 3's tokenizer takes a word that is a whole vocab entry as it is, merges or not.
+    ignore_merges = PRE_TOKENIZERS[v.pre] == _LLAMA3
+    model = models.BPE(
+        vocab=vocab, merges=_parse_merges(v.merges), fuse_unk=False, ignore_merges=ignore_merges
+    )
     tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer = _pre_tokenizer(v.pre)
     tokenizer.decoder = decoders.ByteLevel()
