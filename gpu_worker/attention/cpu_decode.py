@@ -7,7 +7,9 @@ through the block table.
 
 The C source is compiled once per machine with the system C compiler (`cc`, or `$CC`) into a
 cache directory (`$PAGEDSERVE_CACHE_DIR/kernels`, default `~/.cache/pagedserve/kernels`), keyed by a
-hash of the source, flags and compiler, and loaded with ctypes (calls release the GIL). OpenMP
+hash of the source, flags, compiler and the CPU's instruction-set flags (`-march=native` code
+from one CPU can die with SIGILL on another that shares the cache: an image, an NFS home), and
+loaded with ctypes (calls release the GIL). OpenMP
 resolves to the libgomp torch has already loaded, so the kernel shares torch's threads.
 
 `load()` returns None, and the torch backend keeps its SDPA path, when the kernel is disabled
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -46,12 +49,36 @@ def _cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "pagedserve") / "kernels"
 
 
-def _build(cc: str) -> Path:
+def cpu_features() -> str:
+    """What `-march=native` compiles for: the CPU's feature flags (sorted), else its name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):  # x86, arm64
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def library_path(cc: str) -> Path:
+    """Where the kernel built by `cc` for this source, flags and CPU lives in the cache."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + version.encode()
+        b"\0".join(
+            [
+                SOURCE.read_bytes(),
+                " ".join(CFLAGS).encode(),
+                version.encode(),
+                cpu_features().encode(),
+            ]
+        )
     ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_cpu-{key}.so"
+    return _cache_dir() / f"paged_decode_cpu-{key}.so"
+
+
+def _build(cc: str) -> Path:
+    target = library_path(cc)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
