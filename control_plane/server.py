@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -264,7 +265,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             text = render_chat(
                 tok.chat_template,
                 messages,
-                request.chat.add_generation_prompt,
+                _flag(request.chat, "add_generation_prompt"),
                 tok.special_tokens,
             )
             # The template writes any BOS itself.
@@ -274,7 +275,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if not request.text:
             raise InvalidRequestError("the prompt is empty")
         # Tokenization runs on a thread, off the event loop the engine loops share.
-        return await asyncio.to_thread(tok.encode, request.text, request.add_special_tokens)
+        return await asyncio.to_thread(
+            tok.encode, request.text, _flag(request, "add_special_tokens")
+        )
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -422,3 +425,8 @@ async def serve(config: ControlPlaneConfig) -> None:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=5)
         await cp.close()
+
+
+def _flag(msg: Any, name: str) -> bool:
+    """An optional bool of the request: true unless set false (the HTTP API's defaults)."""
+    return bool(getattr(msg, name)) if msg.HasField(name) else True

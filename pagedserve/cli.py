@@ -364,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--no-special-tokens",
+        dest="add_special_tokens",
+        action="store_false",
+        help="tokenize --prompt without the tokenizer's special tokens (BOS); the default adds "
+        "them, as the HTTP API does",
+    )
     gen.add_argument("--logprobs", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
 

@@ -37,6 +37,7 @@ def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
         req.chat.add_generation_prompt = True
     else:
         req.text = a.prompt
+        req.add_special_tokens = a.add_special_tokens
     return req
 
 

@@ -268,3 +268,50 @@ def test_metrics(gs: GatewayStack, client: OpenAI) -> None:
     assert samples["pagedserve:prompt_tokens_total"] >= 1
     assert samples["pagedserve:num_healthy_workers"] == 1
     assert 'pagedserve:request_success_total{finished_reason="length"' in text
+
+
+def test_grpc_cli_and_http_share_defaults(gs: GatewayStack, tokenizer: Tokenizer) -> None:
+    """The same text prompt gives the same tokens over HTTP, a raw gRPC client that sets
+    nothing, and `pagedserve generate --prompt`: BOS added on every surface unless asked
+    not to; chat turns get the generation prompt by default."""
+    import subprocess
+    import sys
+
+    from protos.v1 import control_plane_pb2 as pb
+
+    def grpc_ids(req: pb.GenerateRequest) -> tuple[list[int], int]:
+        req.sampling.max_tokens = 8
+        req.sampling.temperature = 0.0
+        req.sampling.ignore_eos = True
+        chunks = list(gs.stack.stub.Generate(req, timeout=60))
+        return [t for c in chunks for t in c.token_ids], chunks[-1].prompt_tokens
+
+    raw, raw_prompt = grpc_ids(pb.GenerateRequest(text=PROMPT))
+    assert raw_prompt == len(tokenizer.encode(PROMPT, add_special_tokens=True).ids)
+    _, bare_prompt = grpc_ids(pb.GenerateRequest(text=PROMPT, add_special_tokens=False))
+    assert bare_prompt == raw_prompt - 1
+
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **IGNORE_EOS}
+    http = httpx.post(f"{gs.url}/v1/completions", headers=gs.headers, json=body).json()
+    http_ids = tokenizer.encode(http["choices"][0]["text"], add_special_tokens=False).ids
+    assert http["usage"]["prompt_tokens"] == raw_prompt
+    assert tokenizer.decode(raw) == http["choices"][0]["text"]
+
+    def cli(*flags: str) -> str:
+        argv = [sys.executable, "-m", "pagedserve.cli", "generate", "--control-plane"]
+        argv += [gs.stack.address, "--prompt", PROMPT, "--max-tokens", "8", "--ignore-eos"]
+        out = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert cli().startswith(http["choices"][0]["text"])
+    assert f"prompt_tokens={raw_prompt} " in cli()
+    assert f"prompt_tokens={raw_prompt - 1} " in cli("--no-special-tokens")
+    assert http_ids  # the text decodes back to tokens
+
+    chat = pb.GenerateRequest()
+    chat.chat.messages.add(role="user", content="hi")
+    _, with_prompt = grpc_ids(chat)
+    chat.chat.add_generation_prompt = False
+    _, without = grpc_ids(chat)
+    assert with_prompt > without  # "<|assistant|>\n" is added unless turned off

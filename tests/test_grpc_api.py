@@ -42,7 +42,7 @@ def test_list_models_and_text_prompt(stack: Stack, micro_llama: Path) -> None:
     assert out.chunks[-1].completion_tokens == 12
     assert out.chunks[-1].prompt_tokens == len(
         Tokenizer.from_file(str(micro_llama / "tokenizer.json"))
-        .encode("Hello there", add_special_tokens=False)
+        .encode("Hello there", add_special_tokens=True)  # BOS by default, as over HTTP
         .ids
     )
 
@@ -156,6 +156,7 @@ def test_abort_rpc(stack: Stack) -> None:
 def test_abort_ends_every_completion_with_its_own_count(
     stack: Stack, micro_llama: Path, kind: int
 ) -> None:
+    generated_before = stack.stats().workers[0].num_generated_tokens
     call = stack.stub.Generate(
         request(
             list(range(5, 105)),
@@ -168,9 +169,12 @@ def test_abort_ends_every_completion_with_its_own_count(
             output_kind=kind,
         )
     )
-    # Wait until the completions are generating, then abort them all.
+    # Wait until every completion has tokens (the three decode in the same steps), then abort.
     deadline = time.monotonic() + 30
-    while stack.stats().workers[0].num_running < 3 and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        w = stack.stats().workers[0]
+        if w.num_running >= 3 and w.num_generated_tokens >= generated_before + 6:
+            break
         time.sleep(0.02)
     assert stack.stub.Abort(pb.AbortRequest(request_id=f"abort-n3-{kind}")).found
     msgs = list(call)
