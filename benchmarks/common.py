@@ -311,16 +311,11 @@ def machine() -> dict[str, Any]:
 
 def cpu_isa() -> list[str]:
     """The CPU features that decide float32 / bfloat16 matmul speed (from /proc/cpuinfo)."""
+    from gpu_worker.attention.cpu_decode import cpu_features
+
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return [w for w in wanted if w in flags]
-    except OSError:
-        pass
-    return []
+    flags = set(cpu_features().split())
+    return [w for w in wanted if w in flags]
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:

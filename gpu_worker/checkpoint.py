@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.llama import CausalLM
-from pagedserve.gguf import GGUFError, find_gguf, open_gguf
+from pagedserve.gguf import GGUFCheckpoint, GGUFError, find_gguf, open_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_SHOWN = 5
@@ -34,14 +34,10 @@ def load_model(
     `CheckpointError` naming it.
     """
     path = Path(model_path)
-    try:
-        gguf_file = find_gguf(path)
-        if gguf_file is not None:
-            ckpt = open_gguf(gguf_file)
-            config = ModelConfig.from_dict(ckpt.hf_config(), ckpt.generation_config())
-            return _fill(path, config, set(ckpt.tensor_names()), ckpt.tensor, dtype, device)
-    except GGUFError as exc:
-        raise CheckpointError(str(exc)) from exc
+    gguf = _gguf(path)
+    if gguf is not None:
+        ckpt, config = gguf
+        return _fill(path, config, set(ckpt.tensor_names()), ckpt.tensor, dtype, device)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: not an HF checkpoint directory")
     config = ModelConfig.from_dir(path)
@@ -56,14 +52,20 @@ def load_model(
 
 def load_config(model_path: str | Path) -> ModelConfig:
     """The `ModelConfig` of an HF checkpoint directory or a GGUF file."""
+    gguf = _gguf(Path(model_path))
+    return gguf[1] if gguf is not None else ModelConfig.from_dir(model_path)
+
+
+def _gguf(path: Path) -> tuple[GGUFCheckpoint, ModelConfig] | None:
+    """The GGUF checkpoint at `path` and its config; None when `path` is not a GGUF."""
     try:
-        gguf_file = find_gguf(model_path)
-        if gguf_file is not None:
-            ckpt = open_gguf(gguf_file)
-            return ModelConfig.from_dict(ckpt.hf_config(), ckpt.generation_config())
+        gguf_file = find_gguf(path)
+        if gguf_file is None:
+            return None
+        ckpt = open_gguf(gguf_file)
+        return ckpt, ModelConfig.from_dict(ckpt.hf_config(), ckpt.generation_config())
     except GGUFError as exc:
         raise CheckpointError(str(exc)) from exc
-    return ModelConfig.from_dir(model_path)
 
 
 def _fill(

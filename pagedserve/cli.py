@@ -39,12 +39,12 @@ def parse_bytes(text: str) -> int:
     return int(float(t))
 
 
-def _model_dir(arg: str | None) -> str:
+def _model_dir(arg: str | None, check_gguf: bool = True) -> str:
     from pagedserve.gguf import GGUFError
     from pagedserve.model_source import ModelNotFoundError, resolve_model
 
     try:
-        return str(resolve_model(arg))
+        return str(resolve_model(arg, check_gguf))
     except (GGUFError, ModelNotFoundError) as exc:
         raise SystemExit(f"pagedserve: {exc}") from None
 
@@ -77,6 +77,7 @@ def cmd_model_convert(a: argparse.Namespace) -> int:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
+    from gpu_worker.checkpoint import CheckpointError
     from gpu_worker.config import WorkerConfig
     from gpu_worker.server import serve
     from pagedserve.cluster import stop_on_signals
@@ -85,7 +86,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     configure_logging("worker")
     stop_on_signals()
     cfg = WorkerConfig(
-        model=_model_dir(a.model),
+        model=_model_dir(a.model, check_gguf=False),  # loading it checks it
         host=a.host,
         port=a.port,
         device=a.device,
@@ -100,7 +101,10 @@ def cmd_worker(a: argparse.Namespace) -> int:
         num_threads=a.num_threads,
         warmup_batch_size=a.warmup_batch_size,
     )
-    serve(cfg)
+    try:
+        serve(cfg)
+    except CheckpointError as exc:  # raised while loading, before the port opens
+        raise SystemExit(f"pagedserve: {exc}") from None
     return 0
 
 

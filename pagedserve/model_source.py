@@ -39,10 +39,11 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def resolve_model(arg: str | None) -> Path:
+def resolve_model(arg: str | None, check_gguf: bool = True) -> Path:
     """The checkpoint path `--model arg` means, built into the cache first when needed.
 
-    A GGUF is opened and checked here, so a bad one fails before any process starts.
+    With `check_gguf`, a GGUF is opened and checked here, so a bad one fails before any process
+    starts (a worker, which opens it to load it anyway, passes False).
     """
     if not arg:
         return ensure_default_model()
@@ -51,7 +52,8 @@ def resolve_model(arg: str | None) -> Path:
         from pagedserve.gguf import find_gguf, open_gguf
 
         if find_gguf(path) is not None:
-            open_gguf(path)
+            if check_gguf:
+                open_gguf(path)
         elif not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} is neither an HF checkpoint directory nor a GGUF")
         return path

@@ -178,9 +178,12 @@ def _write_minimal(
     pre: str | None = "gpt2",
     extra: str = "",
     meta: dict[str, object] | None = None,
+    vocab: Callable[[GGUFWriter], int] | None = None,
 ) -> Path:
     """A small GGUF with one embedding tensor (optionally raw bytes of `tensor_type`), a
-    float32 tensor named `extra` when given, and `meta` (arch-relative keys) over the rest."""
+    float32 tensor named `extra` when given, and `meta` (arch-relative keys) over the rest.
+    `vocab` writes the tokenizer and returns its size (default: three byte-level tokens with
+    the pre-tokenizer `pre`)."""
     w = GGUFWriter(str(path), arch)
     fields: dict[str, object] = {
         "block_count": 1,
@@ -196,15 +199,19 @@ def _write_minimal(
             w.add_string(f"{arch}.{key}", value)
         else:
             w.add_uint32(f"{arch}.{key}", value)  # type: ignore[arg-type]
-    w.add_tokenizer_model("gpt2")
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(["a", "b", "ab"])
-    w.add_token_merges(["a b"])
-    if tensor_type is None:
-        w.add_tensor("token_embd.weight", np.zeros((3, 32), dtype=np.float32))
+    if vocab is None:
+        w.add_tokenizer_model("gpt2")
+        if pre is not None:
+            w.add_tokenizer_pre(pre)
+        w.add_token_list(["a", "b", "ab"])
+        w.add_token_merges(["a b"])
+        num_tokens = 3
     else:
-        raw = np.zeros((3, 18), dtype=np.uint8)  # one 32-element block per row
+        num_tokens = vocab(w)
+    if tensor_type is None:
+        w.add_tensor("token_embd.weight", np.zeros((num_tokens, 32), dtype=np.float32))
+    else:
+        raw = np.zeros((num_tokens, 18), dtype=np.uint8)  # one 32-element block per row
         w.add_tensor("token_embd.weight", raw, raw_shape=raw.shape, raw_dtype=tensor_type)
     if extra:
         w.add_tensor(extra, np.ones(32, dtype=np.float32))
@@ -335,16 +342,12 @@ _SPM_PIECES = (
 )
 
 
-def _write_sentencepiece(path: Path, add_space_prefix: bool = True) -> Path:
-    """A GGUF whose tokenizer is SentencePiece BPE, without merges: pieces ranked by score,
-    byte tokens for everything else, as llama.cpp writes Llama 2's vocabulary."""
+def _sentencepiece_vocab(w: GGUFWriter) -> int:
+    """SentencePiece BPE without merges: pieces ranked by score, byte tokens for everything
+    else, as llama.cpp writes Llama 2's vocabulary."""
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *_SPM_PIECES]
     types = [2, 3, 3, *[6] * 256, *[1] * len(_SPM_PIECES)]
     scores = [0.0] * 259 + [-float(i) for i in range(len(_SPM_PIECES))]
-    w = GGUFWriter(str(path), "llama")
-    for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64)):
-        w.add_uint32(f"llama.{key}", value)
-    w.add_head_count(4)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_types(types)
@@ -352,17 +355,12 @@ def _write_sentencepiece(path: Path, add_space_prefix: bool = True) -> Path:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.add_add_space_prefix(add_space_prefix)
-    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    w.add_add_space_prefix(True)
+    return len(tokens)
 
 
 def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path: Path) -> None:
-    path = _write_sentencepiece(tmp_path / "spm.gguf")
+    path = _write_minimal(tmp_path / "spm.gguf", "llama", vocab=_sentencepiece_vocab)
     ours = open_gguf(path).tokenizer()
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     texts = [

@@ -119,8 +119,10 @@ class GGUFCheckpoint:
         value = self._arch_key(key, default)
         if isinstance(value, list) and value and all(v == value[0] for v in value):
             value = value[0]  # per-layer, all alike
+        name = f"{self.gguf_architecture}.{key}"
+        if value is None:
+            raise GGUFError(f"{self.path}: metadata lacks {name}")
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            name = f"{self.gguf_architecture}.{key}"
             raise GGUFError(f"{self.path}: {name} must be a positive integer, got {value!r}")
         return value
 
@@ -151,12 +153,6 @@ class GGUFCheckpoint:
                 f"{self.path}: unsupported GGUF architecture {arch!r}; "
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
-        required = ("block_count", "embedding_length", "feed_forward_length")
-        missing = [f"{arch}.{k}" for k in required if self._arch_key(k) is None]
-        if self._arch_key("attention.head_count") is None:
-            missing.append(f"{arch}.attention.head_count")
-        if missing:
-            raise GGUFError(f"{self.path}: metadata lacks {', '.join(missing)}")
         size = self.path.stat().st_size
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > size:
