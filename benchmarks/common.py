@@ -311,7 +311,7 @@ def machine() -> dict[str, Any]:
 
 def cpu_isa() -> list[str]:
     """The CPU features that decide float32 / bfloat16 matmul speed (from /proc/cpuinfo)."""
-    from gpu_worker.attention.cpu_decode import cpu_features
+    from gpu_worker.cpu_isa import cpu_features
 
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
     flags = set(cpu_features().split())

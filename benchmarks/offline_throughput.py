@@ -107,12 +107,11 @@ def run_engine_in_process(model: Path, wl: Workload, opts: StackOptions) -> Syst
     from gpu_worker.model_runner import ModelRunner
     from pagedserve.sampling_params import SamplingParams
 
-    m = load_model(model, dtype=torch.float32)
+    dtype = getattr(torch, opts.dtype)
+    m = load_model(model, dtype=dtype)
     m.warm_up(baselines.WARMUP_BATCH_SIZE)  # as the worker does at startup
     c = m.config
-    geometry = CacheGeometry(
-        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16, torch.float32
-    )
+    geometry = CacheGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16, dtype)
     num_blocks = -(-opts.kv_tokens // 16)
     cache = KVCache(geometry, num_blocks, 0, "cpu")
     backend = create_backend("torch", cache, c.num_attention_heads, c.head_dim, "cpu")
@@ -165,12 +164,12 @@ def run_all(
     runners: dict[str, Callable[[], SystemRun]] = {
         "pagedserve": lambda: run_pagedserve(model, wl, opts),
         "engine-inproc": lambda: run_engine_in_process(model, wl, opts),
-        "hf-one": lambda: baselines.hf_one_at_a_time(model, wl),
-        "hf-static": lambda: baselines.hf_static_batching(model, wl),
-        "hf-cb": lambda: baselines.hf_continuous_batching(model, wl),
-        "torch-bound": lambda: baselines.torch_bound(model, wl),
-        "kernel-bound": lambda: baselines.torch_bound(model, wl, decode_kernel=True),
-        "vllm": lambda: baselines.vllm_offline(model, wl, vllm_venv),
+        "hf-one": lambda: baselines.hf_one_at_a_time(model, wl, opts.dtype),
+        "hf-static": lambda: baselines.hf_static_batching(model, wl, opts.dtype),
+        "hf-cb": lambda: baselines.hf_continuous_batching(model, wl, opts.dtype),
+        "torch-bound": lambda: baselines.torch_bound(model, wl, opts.dtype),
+        "kernel-bound": lambda: baselines.torch_bound(model, wl, opts.dtype, decode_kernel=True),
+        "vllm": lambda: baselines.vllm_offline(model, wl, vllm_venv, opts.dtype),
     }
     done: dict[str, list[SystemRun]] = {key: [] for key in systems}
     for round_ in range(repeat):
@@ -213,6 +212,7 @@ def report(
     mode: str,
     repeat: int = 1,
     host: dict[str, Any] | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     ours = next((r for r in runs if r.system.startswith("pagedserve")), None)
     ours_tps = ours.tok_per_s if ours else None
@@ -235,6 +235,7 @@ def report(
         "benchmark": "offline_throughput",
         "mode": mode,
         "preset": preset,
+        "dtype": dtype,
         "workload": wl.describe(),
         "repeat": repeat,
         "machine": host or machine(),
@@ -245,7 +246,8 @@ def report(
 def print_report(rep: dict[str, Any]) -> None:
     wl = rep["workload"]
     print(
-        f"\n{wl['name']} on {rep['preset']}: {wl['num_requests']} requests, "
+        f"\n{wl['name']} on {rep['preset']} ({rep.get('dtype', 'float32')}): "
+        f"{wl['num_requests']} requests, "
         f"{wl['prompt_tokens']} prompt + {wl['output_tokens']} output tokens"
     )
     n = wl["num_requests"]
@@ -299,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="pagedserve,engine-inproc,torch-bound,kernel-bound,vllm",
         help="systems run --repeat times, round robin",
     )
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="every system's"
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, 8 short requests")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -319,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
     opts = StackOptions(
+        dtype=a.dtype,
         kv_tokens=max(wl.num_requests * wl.max_seq_len, 4096),
         worker_threads=a.worker_threads,
         max_num_seqs=a.max_num_seqs,
@@ -326,9 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     host = machine()  # the date and load at the start
     runs = run_all(model, wl, systems, opts, a.vllm_venv, a.repeat, a.repeat_systems.split(","))
-    rep = report(runs, wl, preset, "quick" if a.quick else "full", a.repeat, host)
+    rep = report(runs, wl, preset, "quick" if a.quick else "full", a.repeat, host, a.dtype)
     print_report(rep)
-    out = a.out or RESULTS_DIR / f"offline_throughput_{preset}.json"
+    suffix = "" if a.dtype == "float32" else f"_{a.dtype}"
+    out = a.out or RESULTS_DIR / f"offline_throughput_{preset}{suffix}.json"
     write_json(out, rep)
     return 0
 

@@ -339,6 +339,8 @@ def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
                 num_gpu_block_refs=s.num_gpu_block_refs,
                 num_forks=s.num_forks,
                 num_copied_blocks=s.num_copied_blocks,
+                dtype=loop.info.dtype,
+                kv_cache_dtype=loop.info.kv_cache_dtype,
             )
         )
     total_blocks = sum(w.num_gpu_blocks for w in workers) or 1
@@ -396,6 +398,12 @@ async def serve(config: ControlPlaneConfig) -> None:
             ("grpc.max_receive_message_length", 16 << 20),
             # A final-only message carries a whole completion (~300 B a token with logprobs).
             ("grpc.max_send_message_length", 128 << 20),
+            # Accept the gateway's keepalive pings (every 30 s) on a quiet connection: by
+            # default a server allows one per 5 minutes without data and answers the third
+            # with GOAWAY "too_many_pings", failing the gateway's next request.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ]
     )
     pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneServicer(cp), server)

@@ -6,12 +6,24 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker import cpu_isa
+
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float64": torch.float64,  # for exactness tests on CPU
 }
+AUTO = "auto"
+
+
+def auto_dtype(device: str) -> str:
+    """`--dtype auto`: bfloat16 on CUDA (float16 where the GPU lacks bf16) and on CPUs with
+    native bf16 arithmetic (AMX, AVX512-BF16, arm64 BF16), float32 on other CPUs, where bf16
+    matmuls are emulated through float32 and gain nothing."""
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_isa.bf16_isa() else "float32"
 
 
 @dataclass(frozen=True)
@@ -20,7 +32,8 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 50061
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto" (auto_dtype)
+    kv_cache_dtype: str = AUTO  # auto: the model's dtype
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes of KV pool on CPU
     gpu_memory_utilization: float = 0.9  # fraction of device memory on CUDA
@@ -33,8 +46,15 @@ class WorkerConfig:
     warmup_batch_size: int = 128  # decode batch sizes whose CPU kernels are built at startup
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise ValueError(
+                f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.kv_cache_dtype not in (AUTO, *DTYPES):
+            raise ValueError(
+                f"kv_cache_dtype must be auto or one of {', '.join(DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -49,5 +69,15 @@ class WorkerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 
     @property
+    def model_dtype(self) -> str:
+        """The dtype name the model runs in (`auto` resolved for this device)."""
+        return auto_dtype(self.device) if self.dtype == AUTO else self.dtype
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype name (`auto`: the model's)."""
+        return self.model_dtype if self.kv_cache_dtype == AUTO else self.kv_cache_dtype
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.model_dtype]

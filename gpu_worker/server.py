@@ -21,9 +21,10 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gpu_worker import cpu_isa
 from gpu_worker.attention import create_backend
 from gpu_worker.checkpoint import load_model, model_name
-from gpu_worker.config import WorkerConfig
+from gpu_worker.config import DTYPES, WorkerConfig
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
@@ -113,6 +114,17 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     dtype = cfg.torch_dtype
+    if cfg.device != "cpu" and cfg.cache_dtype != cfg.model_dtype:
+        raise ValueError("a KV cache dtype other than the model's is supported on CPU only")
+    isa = cpu_isa.bf16_isa() if cfg.device == "cpu" else None
+    log.info(
+        "dtype_chosen",
+        dtype=cfg.model_dtype,
+        requested=cfg.dtype,
+        kv_cache_dtype=cfg.cache_dtype,
+        device=cfg.device,
+        cpu_bf16_isa=isa or "none",
+    )
     model = load_model(cfg.model, dtype=dtype, device=cfg.device)
     t0 = time.perf_counter()
     if calls := model.warm_up(cfg.warmup_batch_size):
@@ -123,7 +135,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         num_kv_heads=mc.num_key_value_heads,
         head_dim=mc.head_dim,
         block_size=cfg.block_size,
-        dtype=dtype,
+        dtype=DTYPES[cfg.cache_dtype],
     )
     num_gpu_blocks = _num_device_blocks(cfg, geometry, model)
     num_cpu_blocks = geometry.num_blocks_for(cfg.swap_space)
@@ -138,7 +150,9 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         model=cfg.served_model_name or model_name(cfg.model),
         model_path=str(Path(cfg.model).resolve()),
         architecture=mc.architecture,
-        dtype=cfg.dtype,
+        dtype=cfg.model_dtype,
+        kv_cache_dtype=cfg.cache_dtype,
+        cpu_bf16_isa=isa or "",
         device=cfg.device,
         block_size=cfg.block_size,
         num_gpu_blocks=num_gpu_blocks,
@@ -257,7 +271,8 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
         "worker_ready",
         model=worker.info.model,
         device=cfg.device,
-        dtype=cfg.dtype,
+        dtype=worker.info.dtype,
+        kv_cache_dtype=worker.info.kv_cache_dtype,
         num_gpu_blocks=worker.info.num_gpu_blocks,
         num_cpu_blocks=worker.info.num_cpu_blocks,
         block_size=cfg.block_size,

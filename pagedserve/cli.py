@@ -91,6 +91,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
         port=a.port,
         device=a.device,
         dtype=a.dtype,
+        kv_cache_dtype=a.kv_cache_dtype,
         block_size=a.block_size,
         kv_cache_memory=a.kv_cache_memory,
         gpu_memory_utilization=a.gpu_memory_utilization,
@@ -186,7 +187,21 @@ def cmd_stats(a: argparse.Namespace) -> int:
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--device", default="cpu", help="cpu or cuda[:N]")
-    _flag(p, "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    dtypes = ["float32", "bfloat16", "float16", "float64"]
+    _flag(
+        p,
+        "--dtype",
+        default="auto",
+        choices=["auto", *dtypes],
+        help="auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32",
+    )
+    _flag(
+        p,
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", *dtypes],
+        help="the KV cache's dtype (auto: the model's)",
+    )
     _flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
     _flag(
         p,

@@ -48,11 +48,37 @@ def hf_greedy(
     return outs
 
 
-def hf_model(model_dir: Path, gguf_file: str | None = None) -> Any:
-    """transformers' model of `model_dir` (or of its GGUF file `gguf_file`) in float64.
+def hf_greedy_top(
+    model: Any, prompts: list[list[int]], max_tokens: int, k: int = 5
+) -> list[tuple[list[int], list[set[int]]]]:
+    """Greedy continuation of every prompt by a loaded transformers `model` (any dtype), with
+    the ids of the `k` most likely tokens at every step: [(output ids, top-k id sets)]."""
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            past = None
+            out: list[int] = []
+            tops: list[set[int]] = []
+            for _ in range(max_tokens):
+                res = model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                logits = res.logits[0, -1].float()
+                tops.append(set(torch.topk(logits, k).indices.tolist()))
+                out.append(int(torch.argmax(logits)))
+                ids = torch.tensor([[out[-1]]])
+            outs.append((out, tops))
+    return outs
 
-    A GGUF is unpacked into dense float64 weights at load (transformers would otherwise keep
-    the blocks and run its matmuls in float32, which is not the oracle's precision).
+
+def hf_model(
+    model_dir: Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float64
+) -> Any:
+    """transformers' model of `model_dir` (or of its GGUF file `gguf_file`), in float64 unless
+    `dtype` says otherwise.
+
+    A GGUF is unpacked into dense weights of that dtype at load (transformers would otherwise
+    keep the blocks and run its matmuls in float32, which is not the oracle's precision).
     """
     from transformers import AutoModelForCausalLM, GgufConfig
 
@@ -60,5 +86,5 @@ def hf_model(model_dir: Path, gguf_file: str | None = None) -> Any:
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
         kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     return model.eval()

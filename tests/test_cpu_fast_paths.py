@@ -9,10 +9,12 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from gpu_worker import cpu_isa, cpu_kernels
 from gpu_worker.attention import BatchLayout, cpu_decode
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.kv_cache import CacheGeometry, KVCache
@@ -28,7 +30,7 @@ needs_kernel = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compil
 def test_kernel_builds_where_there_is_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel tests skip without the kernel: a source that stopped compiling must fail."""
     monkeypatch.delenv("PAGEDSERVE_CPU_DECODE_KERNEL", raising=False)
-    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
     assert cpu_decode.load() is not None
 
 
@@ -42,33 +44,30 @@ def test_kernel_cache_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     assert cc is not None
-    here = cpu_decode.library_path(cc)
-    assert cpu_decode.cpu_features()  # read from this machine
-    monkeypatch.setattr(cpu_decode, "cpu_features", lambda: "fpu sse sse2")  # an older CPU
-    there = cpu_decode.library_path(cc)
+    here = cpu_kernels.library_path(cc, cpu_decode.SOURCE)
+    assert cpu_isa.cpu_features()  # read from this machine
+    monkeypatch.setattr(cpu_isa, "cpu_features", lambda: "fpu sse sse2")  # an older CPU
+    there = cpu_kernels.library_path(cc, cpu_decode.SOURCE)
     assert here.parent == there.parent == tmp_path / "kernels"
     assert here != there
     # What was built here is not what the older CPU would load.
-    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.delenv("PAGEDSERVE_CPU_DECODE_KERNEL", raising=False)
     assert cpu_decode.load() is not None
     assert there.exists() and not here.exists()
 
 
-@needs_kernel
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(8, 4, 32, 16), (12, 4, 64, 16), (4, 4, 128, 8), (6, 2, 48, 16), (3, 1, 16, 32)],
-)
-def test_matches_reference(
-    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
-) -> None:
+def _decode_case(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Random decode inputs: scattered blocks, lengths around block edges, and decode rows
+    sitting among other (prefill) rows, out of order, in q rows shared with k's heads."""
     rng = random.Random(num_heads * 1000 + head_dim)
     torch.manual_seed(head_dim)
     lens = [1, block_size - 1, block_size, block_size + 1, 100, 3 * block_size + 5, 7]
     num_blocks = sum(-(-n // block_size) for n in lens) + 5
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     width = max(-(-n // block_size) for n in lens) + 1  # one padding column
@@ -76,28 +75,55 @@ def test_matches_reference(
     for s, n in enumerate(lens):
         for j in range(-(-n // block_size)):
             tables[s, j] = free.pop()
-    # Queries as the model makes them: heads of q, then of k, in one row per token; the
-    # decode rows sit among other (prefill) rows, out of order.
     num_tokens = len(lens) + 3
-    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim)
-    q = qk[:, :num_heads]
-    rows = torch.tensor(rng.sample(range(num_tokens), len(lens)), dtype=torch.long)
-    out = torch.full((num_tokens, num_heads, head_dim), 7.0)
-    scale = head_dim**-0.5
-    cpu_decode.paged_decode(
-        out,
-        q,
-        rows,
-        k_cache,
-        v_cache,
-        tables,
-        torch.tensor(lens, dtype=torch.int32),
-        max(lens),
-        scale,
+    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim).to(dtype)
+    return {
+        "q": qk[:, :num_heads],
+        "rows": torch.tensor(rng.sample(range(num_tokens), len(lens)), dtype=torch.long),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": tables,
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+        "max_len": max(lens),
+        "scale": head_dim**-0.5,
+    }
+
+
+def _run_decode(case: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    """The kernel on `case` with q and the caches in `dtype`; rows it must not write hold 7."""
+    q = case["q"]
+    args = {**case, "q": q.to(dtype)}
+    args["k_cache"], args["v_cache"] = case["k_cache"].to(dtype), case["v_cache"].to(dtype)
+    out = torch.full(q.shape, 7.0, dtype=dtype)
+    cpu_decode.paged_decode(out, **args)
+    return out
+
+
+SHAPES = [(8, 4, 32, 16), (12, 4, 64, 16), (4, 4, 128, 8), (6, 2, 48, 16), (3, 1, 16, 32)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES)
+def test_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    c = _decode_case(num_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = _run_decode(c, dtype)
+    rows, lens = c["rows"], c["seq_lens"].tolist()
+    want = ref_paged_attention(
+        c["q"][rows],
+        c["k_cache"],
+        c["v_cache"],
+        c["block_tables"],
+        [1] * len(lens),
+        lens,
+        c["scale"],
     )
-    want = ref_paged_attention(q[rows], k_cache, v_cache, tables, [1] * len(lens), lens, scale)
-    torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
-    untouched = torch.ones(num_tokens, dtype=torch.bool)
+    # bf16: the inputs are exact in the float64 reference; only the output's rounding differs.
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(out[rows].double(), want, rtol=tol, atol=1e-5)
+    untouched = torch.ones(out.shape[0], dtype=torch.bool)
     untouched[rows] = False
     assert bool((out[untouched] == 7.0).all())
 
@@ -122,10 +148,11 @@ def _layout(seqs: list[tuple[list[int], int, int]], block_size: int) -> BatchLay
 
 
 @needs_kernel
-def test_backend_with_kernel_equals_its_sdpa_path() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
     """Mixed steps (prefill chunks after context, decodes, all-decode) through both paths."""
     bs, heads = 16, 8
-    geometry = CacheGeometry(2, 4, 32, bs, torch.float32)
+    geometry = CacheGeometry(2, 4, 32, bs, dtype)
     steps = [
         [([3, 9, 4], 0, 40), ([7], 0, 5)],
         [([3, 9, 4], 40, 1), ([7, 1], 5, 20), ([2, 5], 0, 17)],
@@ -145,11 +172,13 @@ def test_backend_with_kernel_equals_its_sdpa_path() -> None:
             assert (backend._decodes is not None) == (use_kernel and any(n == 1 for *_, n in seqs))
             t = sum(n for *_, n in seqs)
             for layer in range(2):
-                q, k, v = torch.randn(t, heads, 32), torch.randn(t, 4, 32), torch.randn(t, 4, 32)
+                q, k, v = (torch.randn(t, n, 32).to(dtype) for n in (heads, 4, 4))
                 got.append(backend.forward(layer, q, k, v))
         outs[use_kernel] = got
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: SDPA rounds its own steps
     for a, b in zip(outs[True], outs[False], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 @needs_kernel
@@ -169,12 +198,12 @@ def test_other_dtypes_keep_the_sdpa_path() -> None:
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv("PAGEDSERVE_CPU_DECODE_KERNEL", "0")
     assert cpu_decode.load() is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_prepacked_linears_match_plain(
     dtype: torch.dtype, make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -185,7 +214,10 @@ def test_prepacked_linears_match_plain(
     layer = model.layers[0]
     assert isinstance(layer, DecoderLayer)
     packed = prepack_supported(dtype, torch.device("cpu"))
-    assert packed == (dtype == torch.float32 and torch.backends.mkldnn.is_available())
+    native = dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+    assert packed == (native and torch.backends.mkldnn.is_available())
     assert (model.lm_head_packed is not None) == packed == (layer.qkv_packed is not None)
 
     def logits() -> torch.Tensor:
@@ -208,5 +240,8 @@ def test_prepacked_linears_match_plain(
     model.prepack()
     assert model.lm_head_packed is None and layer.qkv_packed is None
     plain = logits()
-    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-3)
-    assert torch.equal(fast.argmax(-1), plain.argmax(-1))
+    if dtype == torch.bfloat16:  # bf16 rounding of every activation, compounded
+        torch.testing.assert_close(fast, plain, rtol=0.05, atol=0.25)
+    else:
+        torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-3)
+        assert torch.equal(fast.argmax(-1), plain.argmax(-1))

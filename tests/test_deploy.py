@@ -63,13 +63,18 @@ def dockerfile_targets() -> set[str]:
     return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, flags=re.MULTILINE | re.IGNORECASE))
 
 
-def test_the_package_ships_the_cpu_decode_kernel_source() -> None:
+def test_the_package_ships_the_c_sources() -> None:
+    from gpu_worker import cpu_kernels
     from gpu_worker.attention import cpu_decode
+    from gpu_worker.models import fused_ops
 
     with open(ROOT / "pyproject.toml", "rb") as f:
         globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["gpu_worker"]
-    shipped = {p for g in globs for p in (ROOT / "gpu_worker").glob(g)}
-    assert cpu_decode.SOURCE.resolve() in {p.resolve() for p in shipped}
+    shipped = {p.resolve() for g in globs for p in (ROOT / "gpu_worker").glob(g)}
+    headers = set(cpu_kernels.INCLUDE_DIR.glob("*.h"))
+    assert headers
+    for source in (cpu_decode.SOURCE, fused_ops.SOURCE, *headers):
+        assert source.resolve() in shipped
 
 
 def test_dockerfile_targets_and_entrypoint() -> None:

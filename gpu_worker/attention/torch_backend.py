@@ -11,9 +11,10 @@ A prefill with no cached context (the whole prompt in this step) attends only to
 own new K/V, so it runs causal SDPA straight on its slice of q, k, v (`causal_attention`): no
 gather, no padding.
 
-On a CPU in float32 the decode group skips the gather: `cpu_decode` (a small C kernel) reads
-K/V in place through the block tables, one pass over each context. Other dtypes (the float64
-exactness tests), other devices and machines without a C compiler keep the SDPA path.
+On a CPU with a float32 or bfloat16 cache the decode group skips the gather: `cpu_decode` (a
+small C kernel) reads K/V in place through the block tables, one pass over each context. Other
+dtypes (the float64 exactness tests), other devices and machines without a C compiler keep
+the SDPA path.
 """
 
 from __future__ import annotations
@@ -75,8 +76,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv = self.cache.kv
         self.use_decode_kernel = (
             kv.device.type == "cpu"
-            and kv.dtype == torch.float32
-            and cpu_decode.supports(self.head_dim)
+            and cpu_decode.supports(self.head_dim, kv.dtype)
             and cpu_decode.load() is not None
         )
 
@@ -151,9 +151,13 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = self._decodes
         if d is not None:
+            # The kernel reads and writes in the cache's dtype (a model and a cache of
+            # different dtypes meet there through one conversion each way).
+            same = q.dtype == k_cache.dtype
+            kernel_out = out if same else torch.empty(q.shape, dtype=k_cache.dtype)
             cpu_decode.paged_decode(
-                out,
-                q.to(k_cache.dtype),
+                kernel_out,
+                q if same else q.to(k_cache.dtype),
                 d.rows,
                 k_cache,
                 v_cache,
@@ -162,6 +166,8 @@ class TorchAttentionBackend(AttentionBackend):
                 d.max_len,
                 self.scale,
             )
+            if not same:
+                out[d.rows] = kernel_out[d.rows].to(q.dtype)
         for start, end in self._fresh:
             out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end], self.scale)
         for g in self._groups:

@@ -13,20 +13,25 @@ Per layer, with merged projections (one matmul each):
     gate|up = x @ W_gate_up^T
     h = h + (silu(gate) * up) @ W_down^T
 
+Each residual add is carried to the next norm (`add_rms_norm(h, delta)`, the final norm takes
+the last layer's), and the elementwise steps run through `fused_ops`: torch's ops, or in
+bfloat16 on a CPU one fused C pass each.
+
 Weights are allocated empty here; `load_weights` fills them from HF-named tensors.
 
-On a CPU in float32, loading also keeps a oneDNN-prepacked copy of every projection and of
-the LM head (`prepack`): oneDNN then skips re-laying out the weight on every call, which is
-most of a small matmul's time (40-80% faster at 64-150 rows on AVX-512). Results differ from
-`F.linear` by float32 rounding only. Other dtypes (the float64 exactness tests) and devices
-use `F.linear`. PAGEDSERVE_ONEDNN_LINEAR=0 turns prepacking off.
+On a CPU in float32, and in bfloat16 where oneDNN computes it natively (AVX512-BF16, AMX),
+loading also keeps a oneDNN-prepacked copy of every projection and of the LM head
+(`prepack`): oneDNN then skips re-laying out the weight on every call, which is most of a
+small matmul's time (float32: 40-80% faster at 64-150 rows on AVX-512; bf16: 1.4-1.9x at 16-64
+rows with AMX). Results differ from `F.linear` by rounding only. Other dtypes (the float64
+exactness tests) and devices use `F.linear`. PAGEDSERVE_ONEDNN_LINEAR=0 turns prepacking off.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,22 +39,36 @@ from torch import nn
 
 from gpu_worker.models.base import AttentionFn
 from gpu_worker.models.config import ModelConfig
-from gpu_worker.models.rope import apply_rotary, cos_sin_table, inv_frequencies
+from gpu_worker.models.fused_ops import TorchOps, ops_for
+from gpu_worker.models.rope import cos_sin_table, inv_frequencies
 
 TensorSource = Callable[[str], torch.Tensor]
 """Returns the checkpoint tensor with the given HF name."""
 
 # The row count oneDNN lays packed weights out for; decode batches sit around it.
 PACK_BATCH_HINT = 64
+# oneDNN compiles a bf16 (AMX / AVX512-BF16) kernel for every row count it meets, 5-40 ms
+# each, and keeps 1,024 in its cache: steps whose rows vary (prefill chunks beside decodes)
+# would compile on most steps and evict one another. A bf16 product therefore runs on rows
+# padded to a multiple of BF16_ROW_ALIGN (AMX computes 16-row tiles: a 17-row product costs
+# what a 32-row one does), and one of more than BF16_PIECES[-1] rows in pieces of those sizes,
+# largest first, then the remainder: every row count it meets is one of the few that
+# `warm_up` compiles at startup. Pieces of 512 rows run within ~10% of one 2,048-row product.
+BF16_ROW_ALIGN = 16
+BF16_PIECES = (512, 128)
+# Logits of each row recomputed in float32 after a half-precision LM head (compute_logits):
+# more than the 20 alternatives logprobs can ask for.
+REFINE_TOP = 32
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and os.environ.get("PAGEDSERVE_ONEDNN_LINEAR", "1") != "0"
-    )
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if os.environ.get("PAGEDSERVE_ONEDNN_LINEAR", "1") == "0":
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -62,7 +81,34 @@ def _linear(
     """`F.linear`, through the prepacked oneDNN weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.shape[0]
+    if x.dtype != torch.bfloat16:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    padded = -(-rows // BF16_ROW_ALIGN) * BF16_ROW_ALIGN
+    if padded != rows:
+        x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+    if padded <= BF16_PIECES[-1]:
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return out if padded == rows else out[:rows]
+    out = torch.empty(padded, packed.shape[0], dtype=x.dtype, device=x.device)
+    start = 0
+    for n in row_pieces(padded):
+        piece = x[start : start + n]
+        out[start : start + n] = torch.ops.mkldnn._linear_pointwise(
+            piece, packed, bias, "none", [], ""
+        )
+        start += n
+    return out if padded == rows else out[:rows]
+
+
+def row_pieces(rows: int) -> list[int]:
+    """`rows` as BF16_PIECES-sized pieces, largest first, and a remainder below the smallest."""
+    pieces: list[int] = []
+    for size in BF16_PIECES:
+        while rows > size or (rows == size and size != BF16_PIECES[-1]):
+            pieces.append(size)
+            rows -= size
+    return [*pieces, rows] if rows else pieces
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -110,28 +156,30 @@ class DecoderLayer(nn.Module):
         self,
         layer_idx: int,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: Any,
         attn: AttentionFn,
-    ) -> torch.Tensor:
-        """`h` `[T, hidden]` -> `[T, hidden]`; `cos`, `sin` `[T, 1, head_dim // 2]`."""
+        ops: TorchOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `h` `[T, hidden]` plus the previous layer's pending `delta`
+        (None for the first layer) -> this layer's (h, delta): each residual add is fused
+        with the norm that follows it. `rope` comes from `ops.rope_for`."""
         num_tokens, hidden = h.shape
         num_qk = self.num_heads + self.num_kv_heads
 
-        x = F.rms_norm(h, (hidden,), self.input_norm, self.eps)
+        h, x = ops.add_rms_norm(h, delta, self.input_norm, self.eps)
         qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         qkv = qkv.view(num_tokens, num_qk + self.num_kv_heads, self.head_dim)
         qk = qkv[:, :num_qk]
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm
-        qk = apply_rotary(qk, cos, sin)
+        qk = ops.rotate(qk, rope)
         out = attn(layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:])
-        h = h + _linear(out.reshape(num_tokens, -1), self.o_weight, self.o_bias, self.o_packed)
+        o = _linear(out.reshape(num_tokens, -1), self.o_weight, self.o_bias, self.o_packed)
 
-        x = F.rms_norm(h, (hidden,), self.post_norm, self.eps)
-        gate, up = _linear(x, self.gate_up_weight, None, self.gate_up_packed).chunk(2, dim=-1)
-        act = F.silu(gate).mul_(up)
-        return h + _linear(act, self.down_weight, None, self.down_packed)
+        h, x = ops.add_rms_norm(h, o, self.post_norm, self.eps)
+        act = ops.silu_mul(_linear(x, self.gate_up_weight, None, self.gate_up_packed))
+        return h, _linear(act, self.down_weight, None, self.down_packed)
 
     def load_weights(self, prefix: str, get: TensorSource) -> None:
         """Copy the HF tensors under `prefix` (`model.layers.N.`) into the merged weights."""
@@ -188,6 +236,7 @@ class CausalLM(nn.Module):
         )
         # Logits in at least float32: sampling and logprobs need more than half precision.
         self.logits_dtype = torch.promote_types(dtype, torch.float32)
+        self.ops = ops_for(dtype, dev)
         self.lm_head_packed: torch.Tensor | None = None
 
     def forward(
@@ -197,21 +246,36 @@ class CausalLM(nn.Module):
 
         `positions` must lie in `[0, config.max_model_len)`.
         """
-        half = self.config.head_dim // 2
-        cos_sin = self.rope_cache[positions].unsqueeze(1)
-        cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+        ops = self.ops
+        rope = ops.rope_for(positions, self.rope_cache)
         h = F.embedding(input_ids, self.embed)
+        delta = None
         for layer_idx, layer in enumerate(self.layers):
-            h = layer(layer_idx, h, cos, sin, attn)
-        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+            h, delta = layer(layer_idx, h, delta, rope, attn, ops)
+        return ops.add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[R, hidden]` -> `[R, vocab]` in float32 (float64 for a float64 model)."""
-        return _linear(hidden, self.lm_head, None, self.lm_head_packed).to(self.logits_dtype)
+        """`[R, hidden]` -> `[R, vocab]` in float32 (float64 for a float64 model).
+
+        A half-precision LM head rounds its outputs to 8 significant bits (0.125 apart around
+        a logit of 25), which turns near-ties into exact ties and flips greedy choices. So in
+        bf16/fp16 the REFINE_TOP largest logits of each row, the tokens greedy picks and
+        logprobs list, are recomputed as float32 dot products of the same half-precision
+        hidden state and weight rows (exact products, float32 sums); the long tail keeps the
+        rounded values, whose error is far below anything sampling can resolve there.
+        """
+        logits = _linear(hidden, self.lm_head, None, self.lm_head_packed).to(self.logits_dtype)
+        if self.dtype.itemsize >= 4:
+            return logits
+        top = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=1).indices  # [R, k]
+        rows = self.lm_head[top].to(self.logits_dtype)  # [R, k, hidden]
+        exact = torch.bmm(rows, hidden.to(self.logits_dtype).unsqueeze(2)).squeeze(2)
+        return logits.scatter_(1, top, exact)
 
     @torch.inference_mode()
     def warm_up(self, max_rows: int) -> int:
-        """Runs every distinct prepacked projection once for each row count 1..max_rows.
+        """Runs every distinct prepacked projection once for each row count 1..max_rows (in
+        bf16: each multiple of BF16_ROW_ALIGN up to max_rows, and each size of BF16_PIECES).
 
         oneDNN builds (and caches) a kernel the first time a projection sees a row count;
         decode batches of every size would otherwise pay for that on their first step. Only
@@ -226,12 +290,16 @@ class CausalLM(nn.Module):
             (layer.down_weight, None, layer.down_packed),
             (self.lm_head, None, self.lm_head_packed),
         ]
+        counts = set(range(1, max_rows + 1))
+        if self.dtype == torch.bfloat16 and max_rows > 0:
+            top = min(-(-max_rows // BF16_ROW_ALIGN) * BF16_ROW_ALIGN, BF16_PIECES[-1])
+            counts = {*range(BF16_ROW_ALIGN, top + 1, BF16_ROW_ALIGN), *BF16_PIECES}
         calls = 0
         for weight, bias, packed in projections:
-            if packed is None:
+            if packed is None or not counts:
                 continue
-            x = torch.zeros(max_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            for rows in range(1, max_rows + 1):
+            x = torch.zeros(max(counts), weight.shape[1], dtype=weight.dtype, device=weight.device)
+            for rows in sorted(counts):
                 _linear(x[:rows], weight, bias, packed)
                 calls += 1
         return calls

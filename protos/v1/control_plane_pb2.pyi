@@ -122,7 +122,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_cache_usage", "num_preemptions", "num_recompute_preemptions", "num_swap_preemptions", "num_chunked_prefill_steps", "num_steps", "num_prompt_tokens_computed", "num_generated_tokens", "healthy", "epoch", "num_blocks_swapped_out", "num_blocks_swapped_in", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_cached_blocks", "num_gpu_block_refs", "num_forks", "num_copied_blocks")
+    __slots__ = ("address", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_cache_usage", "num_preemptions", "num_recompute_preemptions", "num_swap_preemptions", "num_chunked_prefill_steps", "num_steps", "num_prompt_tokens_computed", "num_generated_tokens", "healthy", "epoch", "num_blocks_swapped_out", "num_blocks_swapped_in", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_cached_blocks", "num_gpu_block_refs", "num_forks", "num_copied_blocks", "dtype", "kv_cache_dtype")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,8 @@ class WorkerStats(_message.Message):
     NUM_GPU_BLOCK_REFS_FIELD_NUMBER: _ClassVar[int]
     NUM_FORKS_FIELD_NUMBER: _ClassVar[int]
     NUM_COPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     address: str
     num_running: int
     num_waiting: int
@@ -179,7 +181,9 @@ class WorkerStats(_message.Message):
     num_gpu_block_refs: int
     num_forks: int
     num_copied_blocks: int
-    def __init__(self, address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_chunked_prefill_steps: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_blocks_swapped_out: _Optional[int] = ..., num_blocks_swapped_in: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_gpu_block_refs: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_copied_blocks: _Optional[int] = ...) -> None: ...
+    dtype: str
+    kv_cache_dtype: str
+    def __init__(self, address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_chunked_prefill_steps: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_blocks_swapped_out: _Optional[int] = ..., num_blocks_swapped_in: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_gpu_block_refs: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_copied_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("num_running", "num_waiting", "num_swapped", "kv_cache_usage", "num_preemptions", "num_requests_finished", "num_requests_aborted", "num_chunked_prefill_steps", "workers", "num_pending", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_index_available", "num_routed_with_prefix_hit", "num_routed")

@@ -1,9 +1,13 @@
 /*
- * Paged attention for decode rows on the CPU, float32: one query token per sequence, read
- * straight from the block pool through the block table (no gathered copy of the context).
+ * Paged attention for decode rows on the CPU: one query token per sequence, read straight from
+ * the block pool through the block table (no gathered copy of the context). Two entry points
+ * share one body: paged_decode_f32 (q, cache and out in float32) and paged_decode_bf16 (all
+ * three in bfloat16, the 16-bit pattern of a float32's top half). Arithmetic is float32 in both:
+ * a bf16 value widens to float32 exactly (a 16-bit shift), products and sums accumulate in
+ * float32, and only the output is rounded back (to nearest even).
  *
- * Layouts (all row-major):
- *   q            token rows q_token_stride floats apart; head h of sequence s at
+ * Layouts (all row-major; "elements" are floats or bf16 values):
+ *   q            token rows q_token_stride elements apart; head h of sequence s at
  *                q + rows[s]*q_token_stride + h*D
  *   rows         [S] int64, the flat token row of each sequence's query (and output)
  *   k_cache      [num_blocks, block_size, KV, D]   (v_cache the same)
@@ -26,30 +30,36 @@
  * exp-weights and their sum over the whole context (scores stay in per-thread scratch), and
  * the weighted sum of V rows, two tokens at a time into independent accumulators.
  *
- * Vectors are GCC/clang vector extensions, 16 floats wide: the compiler maps them onto the
- * machine's SIMD (one AVX-512 register, two AVX2 registers, ...). Threads: OpenMP, the same
- * libgomp torch has loaded.
+ * Vectors and bf16 conversions come from simd16.h (16-float vectors the compiler maps onto the
+ * machine's SIMD; a bf16 load is one widening). Threads: OpenMP, the same libgomp torch has
+ * loaded.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define TILE 16
+#include "simd16.h"
+
+#define TILE W16
 #define MAX_HEAD_DIM 256
 
-typedef float v16 __attribute__((vector_size(TILE * sizeof(float))));
-
-static inline v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
+/* 16 elements at element index i of `base`: floats, or bf16 values (`bf16`) widened. Callers
+ * pass `bf16` as a constant, so each entry point compiles its own branch-free copy. */
+static inline __attribute__((always_inline)) v16 load_elems(const void *base, int64_t i,
+                                                            const int bf16) {
+    return bf16 ? load_bf16x16((const uint16_t *)base + i) : load16((const float *)base + i);
 }
 
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline __attribute__((always_inline)) float load_elem(const void *base, int64_t i,
+                                                             const int bf16) {
+    return bf16 ? bf16_widen(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
 
-static inline v16 splat16(float x) {
-    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+/* Stores x at element index i: as a float, or rounded to the nearest bf16 (ties to even). */
+static inline __attribute__((always_inline)) void store_elem(void *base, int64_t i, float x,
+                                                             const int bf16) {
+    if (bf16)
+        ((uint16_t *)base)[i] = bf16_narrow(x);
+    else
+        ((float *)base)[i] = x;
 }
 
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -78,29 +88,7 @@ static inline v16 transpose_sum16(const v16 *p) {
            SHUF(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a scalar call):
- * x = n*ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor
- * polynomial (relative error < 2e-7), times 2^n built in the exponent bits. Below -87 the
- * result is flushed to exp(-87) ~ 1.6e-38, which is 0 next to the row's max term (1). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    union {
-        int32_t i;
-        float f;
-    } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
-}
-
-/* Float offsets of the cache rows of context tokens j0 .. j0+15; tokens past len repeat the
+/* Element offsets of the cache rows of context tokens j0 .. j0+15; tokens past len repeat the
  * last one, so that every load reads a written row (their scores and weights are unused). */
 static inline void tile_offsets(int64_t *off, const int32_t *table, int j0, int len,
                                 int block_size, int64_t row) {
@@ -118,11 +106,14 @@ static inline void tile_offsets(int64_t *off, const int32_t *table, int j0, int 
     }
 }
 
-/* Asks for the cache lines of one tile's rows (`n` floats from each offset) ahead of their
- * use: blocks sit anywhere in the pool, so the hardware prefetchers cannot guess the next. */
-static inline void prefetch_tile(const float *base, const int64_t *off, int n) {
+#define LINE 64 /* bytes in a cache line */
+
+/* Asks for the cache lines of one tile's rows (`bytes` from each offset, elements of `esize`
+ * bytes) ahead of their use: blocks sit anywhere in the pool, so the hardware prefetchers
+ * cannot guess the next. */
+static inline void prefetch_tile(const char *base, const int64_t *off, int bytes, int esize) {
     for (int t = 0; t < TILE; t++)
-        for (int c = 0; c < n; c += TILE) __builtin_prefetch(base + off[t] + c, 0, 2);
+        for (int c = 0; c < bytes; c += LINE) __builtin_prefetch(base + off[t] * esize + c, 0, 2);
 }
 
 /* The offsets of the tile after the one at j0 into `next`; false, doing nothing, when j0's
@@ -134,19 +125,19 @@ static inline int advance_tile(int64_t *next, const int32_t *table, int j0, int 
     return 1;
 }
 
-/* Share x of `parts` of prefetch_tile's work (the tile's cache lines, `n` floats from each
- * offset, split evenly). Issued one share per head while the current tile is computed, the
- * requests reach memory at an even pace. Measured on SmolLM2's shapes (192 lines a tile) with
- * the pool in DRAM: one burst per tile was no faster than no prefetch at all; spread, the
- * kernel takes 1.3x less time, and no more with the pool in cache. */
-static inline void prefetch_share(const float *base, const int64_t *off, int n, int x,
-                                  int parts) {
-    const int per_row = n / TILE, total = TILE * per_row;
+/* Share x of `parts` of prefetch_tile's work (the tile's cache lines, split evenly). Issued
+ * one share per head while the current tile is computed, the requests reach memory at an even
+ * pace. Measured on SmolLM2's shapes (192 lines a float32 tile) with the pool in DRAM: one
+ * burst per tile was no faster than no prefetch at all; spread, the kernel takes 1.3x less
+ * time, and no more with the pool in cache. */
+static inline void prefetch_share(const char *base, const int64_t *off, int bytes, int esize,
+                                  int x, int parts) {
+    const int per_row = (bytes + LINE - 1) / LINE, total = TILE * per_row;
     const int per = (total + parts - 1) / parts;
     const int end = (x + 1) * per < total ? (x + 1) * per : total;
     int k = x * per, t = k / per_row, c = k - t * per_row;
     for (; k < end; k++) {
-        __builtin_prefetch(base + off[t] + c * TILE, 0, 2);
+        __builtin_prefetch(base + off[t] * esize + c * LINE, 0, 2);
         if (++c == per_row) {
             c = 0;
             t++;
@@ -155,34 +146,54 @@ static inline void prefetch_share(const float *base, const int64_t *off, int n, 
 }
 
 /* Query heads of kv heads g0 .. g0+ng-1 of one sequence (nh = ng * rep heads, contiguous in q
- * and out). Scratch: scores nh rows of `stride` floats; qbuf, acc nh * D. */
+ * and out; qs, o point at the sequence's token row). Scratch: scores nh rows of `stride`
+ * floats; qbuf, acc nh * D floats. */
 static inline __attribute__((always_inline)) void decode_heads(
-    const float *qs, const float *k_cache, const float *v_cache, const int32_t *table, int len,
-    float *o, float *scores, float *qbuf, float *acc, int g0, int ng, int rep, int num_kv_heads,
-    const int D, int block_size, int stride, float scale) {
-    const int C = D / TILE, nh = ng * rep;
-    const int64_t row = (int64_t)num_kv_heads * D; /* floats between consecutive slots */
-    const float *kg = k_cache + (int64_t)g0 * D; /* kv head g0 + i / rep: + (i / rep) * D */
-    const float *vg = v_cache + (int64_t)g0 * D;
-    const float *qh = qs + (int64_t)g0 * rep * D;
-    for (int i = 0; i < nh * D; i++) qbuf[i] = qh[i] * scale;
+    const void *qs, const void *k_cache, const void *v_cache, const int32_t *table, int len,
+    void *o, float *scores, float *qbuf, float *acc, int g0, int ng, int rep, int num_kv_heads,
+    const int D, int block_size, int stride, float scale, const int bf16) {
+    const int C = D / TILE, nh = ng * rep, esize = bf16 ? 2 : 4, bytes = ng * D * esize;
+    const int64_t row = (int64_t)num_kv_heads * D; /* elements between consecutive slots */
+    const int64_t kv0 = (int64_t)g0 * D, h0 = (int64_t)g0 * rep * D; /* first kv / q element */
+    const char *kp = (const char *)k_cache + kv0 * esize, *vp = (const char *)v_cache + kv0 * esize;
+    for (int i = 0; i < nh * D; i++) qbuf[i] = load_elem(qs, h0 + i, bf16) * scale;
     int64_t first[TILE], tiles[2][TILE];
     tile_offsets(first, table, 0, len, block_size, row);
-    prefetch_tile(kg, first, ng * D);
+    prefetch_tile(kp, first, bytes, esize);
 
     memcpy(tiles[0], first, sizeof first);
     for (int j0 = 0, cur = 0; j0 < len; j0 += TILE, cur ^= 1) {
         const int64_t *off = tiles[cur];
         const int more = advance_tile(tiles[cur ^ 1], table, j0, len, block_size, row);
-        if (!more) prefetch_tile(vg, first, ng * D); /* the V pass starts there */
+        if (!more) prefetch_tile(vp, first, bytes, esize); /* the V pass starts there */
         for (int i = 0; i < nh; i++) {
-            if (more) prefetch_share(kg, tiles[cur ^ 1], ng * D, i, nh);
-            const float *qi = qbuf + (int64_t)i * D, *ki = kg + (int64_t)(i / rep) * D;
+            if (more) prefetch_share(kp, tiles[cur ^ 1], bytes, esize, i, nh);
+            const float *qi = qbuf + (int64_t)i * D;
+            const int64_t ki = kv0 + (int64_t)(i / rep) * D;
             v16 p[TILE];
+#if defined(__AVX512BF16__)
+            if (bf16 && D % 32 == 0) {
+                /* bf16 pairs straight into vdpbf16ps (exact products, float32 sums): no
+                 * widening of K; the unscaled bf16 query, scaled after. */
+                const uint16_t *q16 = (const uint16_t *)qs + h0 + (int64_t)i * D;
+                const uint16_t *k16 = (const uint16_t *)k_cache;
+                for (int t = 0; t < TILE; t++) {
+                    const uint16_t *kt = k16 + ki + off[t];
+                    __m512 x = _mm512_setzero_ps();
+                    for (int c = 0; c < D; c += 32)
+                        x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(q16 + c),
+                                             (__m512bh)_mm512_loadu_si512(kt + c));
+                    p[t] = (v16)x;
+                }
+                store16(scores + (int64_t)i * stride + j0, transpose_sum16(p) * splat16(scale));
+                continue;
+            }
+#endif
             for (int t = 0; t < TILE; t++) {
-                const float *kt = ki + off[t];
-                v16 x = load16(qi) * load16(kt);
-                for (int c = 1; c < C; c++) x += load16(qi + c * TILE) * load16(kt + c * TILE);
+                const int64_t kt = ki + off[t];
+                v16 x = load16(qi) * load_elems(k_cache, kt, bf16);
+                for (int c = 1; c < C; c++)
+                    x += load16(qi + c * TILE) * load_elems(k_cache, kt + c * TILE, bf16);
                 p[t] = x;
             }
             store16(scores + (int64_t)i * stride + j0, transpose_sum16(p));
@@ -196,16 +207,25 @@ static inline __attribute__((always_inline)) void decode_heads(
     for (int i = 0; i < nh; i++) {
         float *si = scores + (int64_t)i * stride;
         for (int j = len; j < padded; j++) si[j] = -INFINITY;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int j = 0; j < padded; j++) m = si[j] > m ? si[j] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < padded; j++) {
-            si[j] = exp_nonpositive(si[j] - m);
-            sum += si[j];
+        /* Written with explicit vectors: left to the compiler, these loops stayed scalar in
+         * some of the kernel's inlined copies. */
+        v16 mv = splat16(-INFINITY);
+        for (int j = 0; j < padded; j += TILE) {
+            const v16 x = load16(si + j);
+            const i16 gt = x > mv;
+            mv = (v16)((gt & (i16)x) | (~gt & (i16)mv));
         }
-        for (int j = len; j < padded; j++) si[j] = 0.f;
+        float m = mv[0];
+        for (int l = 1; l < TILE; l++) m = mv[l] > m ? mv[l] : m;
+        v16 sv = splat16(0.f);
+        for (int j = 0; j < padded; j += TILE) {
+            const v16 e = exp_nonpositive16(load16(si + j) - splat16(m));
+            store16(si + j, e);
+            sv += e;
+        }
+        float sum = 0.f;
+        for (int l = 0; l < TILE; l++) sum += sv[l];
+        for (int j = len; j < padded; j++) sum -= si[j], si[j] = 0.f;
         inv[i] = 1.f / sum;
     }
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)D);
@@ -215,39 +235,40 @@ static inline __attribute__((always_inline)) void decode_heads(
         const int64_t *off = tiles[cur];
         const int more = advance_tile(tiles[cur ^ 1], table, j0, len, block_size, row);
         for (int i = 0; i < nh; i++) {
-            if (more) prefetch_share(vg, tiles[cur ^ 1], ng * D, i, nh);
-            const float *w = scores + (int64_t)i * stride + j0, *vi = vg + (int64_t)(i / rep) * D;
+            if (more) prefetch_share(vp, tiles[cur ^ 1], bytes, esize, i, nh);
+            const float *w = scores + (int64_t)i * stride + j0;
+            const int64_t vi = kv0 + (int64_t)(i / rep) * D;
             float *ai = acc + (int64_t)i * D;
             v16 a0[MAX_HEAD_DIM / TILE], a1[MAX_HEAD_DIM / TILE];
             for (int c = 0; c < C; c++) a0[c] = a1[c] = splat16(0.f);
             for (int t = 0; t < TILE; t += 2) {
-                const float *v0 = vi + off[t], *v1 = vi + off[t + 1];
+                const int64_t v0 = vi + off[t], v1 = vi + off[t + 1];
                 const v16 w0 = splat16(w[t]), w1 = splat16(w[t + 1]);
                 for (int c = 0; c < C; c++) {
-                    a0[c] += w0 * load16(v0 + c * TILE);
-                    a1[c] += w1 * load16(v1 + c * TILE);
+                    a0[c] += w0 * load_elems(v_cache, v0 + c * TILE, bf16);
+                    a1[c] += w1 * load_elems(v_cache, v1 + c * TILE, bf16);
                 }
             }
             for (int c = 0; c < C; c++)
                 store16(ai + c * TILE, load16(ai + c * TILE) + a0[c] + a1[c]);
         }
     }
-    float *oh = o + (int64_t)g0 * rep * D;
     for (int i = 0; i < nh; i++)
-        for (int d = 0; d < D; d++) oh[(int64_t)i * D + d] = acc[(int64_t)i * D + d] * inv[i];
+        for (int d = 0; d < D; d++)
+            store_elem(o, h0 + (int64_t)i * D + d, acc[(int64_t)i * D + d] * inv[i], bf16);
 }
 
-int paged_decode_f32(const float *q, int64_t q_token_stride, const int64_t *rows,
-                     const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                     int64_t table_stride, const int32_t *seq_lens, float *out, int num_seqs,
-                     int num_heads, int num_kv_heads, int head_dim, int block_size, int max_len,
-                     float scale, int num_threads) {
-    /* Return codes: 0 ok, 1 out of memory, 2 bad head counts or head size, 3 a length outside
-     * 1..max_len. */
+/* Return codes: 0 ok, 1 out of memory, 2 bad head counts or head size, 3 a length outside
+ * 1..max_len. */
+static inline __attribute__((always_inline)) int paged_decode(
+    const void *q, int64_t q_token_stride, const int64_t *rows, const void *k_cache,
+    const void *v_cache, const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens, void *out, int num_seqs, int num_heads, int num_kv_heads,
+    int head_dim, int block_size, int max_len, float scale, int num_threads, const int bf16) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim % TILE != 0 ||
         head_dim < TILE || head_dim > MAX_HEAD_DIM)
         return 2;
-    const int rep = num_heads / num_kv_heads;
+    const int rep = num_heads / num_kv_heads, esize = bf16 ? 2 : 4;
     const int stride = (max_len + TILE - 1) / TILE * TILE;
     /* Each item is a sequence's kv heads split `splits` ways: whole rows (one contiguous run
      * per block) when there are sequences enough to keep every thread busy, else the fewest
@@ -280,12 +301,12 @@ int paged_decode_f32(const float *q, int64_t q_token_stride, const int64_t *rows
                 failed = 3;
                 continue;
             }
-            const float *qs = q + rows[s] * q_token_stride;
-            float *o = out + rows[s] * num_heads * head_dim;
+            const char *qs = (const char *)q + rows[s] * q_token_stride * esize;
+            char *o = (char *)out + rows[s] * num_heads * head_dim * esize;
             const int32_t *table = block_tables + (int64_t)s * table_stride;
 #define DECODE(D)                                                                             \
     decode_heads(qs, k_cache, v_cache, table, seq_lens[s], o, scores, qbuf, acc, g0, ng, rep, \
-                 num_kv_heads, D, block_size, stride, scale)
+                 num_kv_heads, D, block_size, stride, scale, bf16)
             switch (head_dim) {
             case 32: DECODE(32); break;
             case 64: DECODE(64); break;
@@ -297,4 +318,24 @@ int paged_decode_f32(const float *q, int64_t q_token_stride, const int64_t *rows
         free(buf);
     }
     return failed;
+}
+
+int paged_decode_f32(const float *q, int64_t q_token_stride, const int64_t *rows,
+                     const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                     int64_t table_stride, const int32_t *seq_lens, float *out, int num_seqs,
+                     int num_heads, int num_kv_heads, int head_dim, int block_size, int max_len,
+                     float scale, int num_threads) {
+    return paged_decode(q, q_token_stride, rows, k_cache, v_cache, block_tables, table_stride,
+                        seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                        max_len, scale, num_threads, 0);
+}
+
+int paged_decode_bf16(const uint16_t *q, int64_t q_token_stride, const int64_t *rows,
+                      const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                      uint16_t *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                      int block_size, int max_len, float scale, int num_threads) {
+    return paged_decode(q, q_token_stride, rows, k_cache, v_cache, block_tables, table_stride,
+                        seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                        max_len, scale, num_threads, 1);
 }

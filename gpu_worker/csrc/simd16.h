@@ -1,0 +1,129 @@
+/*
+ * 16-lane float32 vectors and bfloat16 conversions shared by the worker's C sources.
+ *
+ * v16 is a GCC/clang vector of 16 floats: the compiler maps it onto the machine's SIMD (one
+ * AVX-512 register, two AVX2 registers, ...). bf16 values are 16-bit patterns, the top half of
+ * a float32: widening is exact (a 16-bit shift); narrowing rounds to nearest even and keeps
+ * NaNs quiet NaNs. With AVX-512 the conversions are single instructions (vpmovzxwd, and
+ * vcvtneps2bf16 where AVX512-BF16 exists, else vpmovdw after integer rounding); elsewhere the
+ * generic vector code below, which compilers turn into longer shuffle sequences.
+ */
+#ifndef PAGEDSERVE_SIMD16_H
+#define PAGEDSERVE_SIMD16_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define W16 16
+typedef float v16 __attribute__((vector_size(W16 * sizeof(float))));
+typedef int32_t i16 __attribute__((vector_size(W16 * sizeof(int32_t))));
+typedef uint32_t u16 __attribute__((vector_size(W16 * sizeof(uint32_t))));
+typedef uint16_t h16 __attribute__((vector_size(W16 * sizeof(uint16_t))));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline v16 splat16(float x) {
+    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+static inline float bf16_widen(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_narrow(float x) {
+    uint32_t w;
+    memcpy(&w, &x, sizeof w);
+    if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w | 0x00400000u) >> 16); /* NaN */
+    w += 0x7fffu + ((w >> 16) & 1u);
+    return (uint16_t)(w >> 16);
+}
+
+/* 16 bf16 values at p, widened. */
+static inline v16 load_bf16x16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (v16)_mm512_castsi512_ps(w);
+#else
+    h16 h;
+    memcpy(&h, p, sizeof h);
+    u16 w = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+#endif
+}
+
+/* 16 floats rounded to bf16 at p. */
+static inline void store_bf16x16(uint16_t *p, v16 v) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
+    u16 w;
+    memcpy(&w, &v, sizeof w);
+    const u16 nan = (u16)((w & 0x7fffffffu) > 0x7f800000u); /* all-ones lanes where NaN */
+    w = (nan & (w | 0x00400000u)) | (~nan & (w + 0x7fffu + ((w >> 16) & 1u)));
+#if defined(__AVX512F__)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)w, 16)));
+#else
+    h16 h = __builtin_convertvector(w >> 16, h16);
+    memcpy(p, &h, sizeof h);
+#endif
+#endif
+}
+
+/* exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a scalar call):
+ * x = n*ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor
+ * polynomial (relative error < 2e-7), times 2^n built in the exponent bits. Below -87 the
+ * result is flushed to exp(-87) ~ 1.6e-38. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union {
+        int32_t i;
+        float f;
+    } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* exp_nonpositive on 16 lanes; n = round(x / ln2) through a truncating conversion, corrected
+ * where it rounded up. */
+static inline v16 exp_nonpositive16(v16 x) {
+    const i16 low = x < splat16(-87.f);
+    x = (v16)((low & (i16)splat16(-87.f)) | (~low & (i16)x));
+    const v16 y = x * splat16(1.44269504088896341f) + splat16(0.5f);
+    v16 n = __builtin_convertvector(__builtin_convertvector(y, i16), v16);
+    n -= (v16)((i16)(n > y) & (i16)splat16(1.f));
+    const v16 r = (x - n * splat16(0.693359375f)) - n * splat16(-2.12194440e-4f);
+    v16 p = splat16(1.f / 720.f);
+    p = p * r + splat16(1.f / 120.f);
+    p = p * r + splat16(1.f / 24.f);
+    p = p * r + splat16(1.f / 6.f);
+    p = p * r + splat16(0.5f);
+    p = p * r + splat16(1.f);
+    p = p * r + splat16(1.f);
+    const i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
+    return p * (v16)e;
+}
+
+#endif

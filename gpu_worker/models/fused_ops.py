@@ -1,0 +1,143 @@
+"""The decoder's elementwise steps, in torch or, for bfloat16 on a CPU, fused in C.
+
+`TorchOps` is the reference: the same torch ops for every dtype (float32 and float64 keep it).
+`FusedBf16Ops` runs `csrc/fused_ops_cpu.c`: each step one pass over memory in float32,
+rounded once to bf16, where torch's bf16 ops widen, compute and round per op (a residual add
+and RMSNorm, 7 ops in torch; SiLU-and-multiply, 2; RoPE, 7). Both follow one interface:
+
+    h, x = ops.add_rms_norm(h, delta, weight, eps)   h (+ delta), and its normed copy
+    act = ops.silu_mul(gate_up)                       silu(gate) * up
+    rope = ops.rope_for(positions, table)             once per step
+    qk = ops.rotate(qk, rope)                         every layer
+
+The fused ops may write `h` and `qk` in place; the model hands them tensors nothing else
+reads. `PAGEDSERVE_CPU_FUSED_OPS=0` keeps torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker import cpu_kernels
+from gpu_worker.models.rope import apply_rotary
+
+SOURCE = Path(__file__).with_name("csrc") / "fused_ops_cpu.c"
+
+
+class TorchOps:
+    name = "torch"
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is not None:
+            h = h + delta
+        return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def rope_for(self, positions: torch.Tensor, table: torch.Tensor) -> Any:
+        half = table.shape[-1] // 2
+        cos_sin = table[positions].unsqueeze(1)
+        return cos_sin[..., :half], cos_sin[..., half:]
+
+    def rotate(self, qk: torch.Tensor, rope: Any) -> torch.Tensor:
+        cos, sin = rope
+        return apply_rotary(qk, cos, sin)
+
+
+class FusedBf16Ops(TorchOps):
+    """bf16 tensors on the CPU; `lib` is the built `fused_ops_cpu.c`."""
+
+    name = "fused-bf16"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert h.dtype == weight.dtype == torch.bfloat16 and h.is_contiguous()
+        if delta is not None:
+            assert delta.dtype == torch.bfloat16 and delta.shape == h.shape
+            delta = delta.contiguous()
+        out = torch.empty_like(h)
+        rows, hidden = h.shape
+        self.lib.add_rms_norm_bf16(
+            h.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
+        return h, out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        assert gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous()
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self.lib.silu_mul_bf16(
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
+    def rope_for(self, positions: torch.Tensor, table: torch.Tensor) -> Any:
+        assert table.dtype == torch.bfloat16 and table.is_contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < len(table):
+            raise IndexError(f"positions must lie in [0, {len(table)})")
+        return positions, table
+
+    def rotate(self, qk: torch.Tensor, rope: Any) -> torch.Tensor:
+        positions, table = rope
+        tokens, heads, dim = qk.shape
+        assert qk.dtype == torch.bfloat16 and qk.stride(2) == 1 and qk.stride(1) == dim
+        assert table.shape[1] == dim and positions.shape[0] == tokens
+        self.lib.rope_bf16(
+            qk.data_ptr(),
+            qk.stride(0),
+            positions.data_ptr(),
+            tokens,
+            heads,
+            dim,
+            table.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return qk
+
+
+def load() -> ctypes.CDLL | None:
+    """The built library with its argument types set; None where it cannot build."""
+    lib = cpu_kernels.load(SOURCE)
+    if lib is not None:
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i64, i32, f32, i32]
+        lib.silu_mul_bf16.argtypes = [p, p, i64, i32, i32]
+        lib.rope_bf16.argtypes = [p, i64, p, i64, i32, i32, p, i32]
+        for fn in (lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.rope_bf16):
+            fn.restype = None
+    return lib
+
+
+def ops_for(dtype: torch.dtype, device: torch.device) -> TorchOps:
+    """The fused ops for bf16 on a CPU where they build (and are not turned off), else torch's."""
+    if (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and os.environ.get("PAGEDSERVE_CPU_FUSED_OPS", "1") != "0"
+    ):
+        lib = load()
+        if lib is not None:
+            return FusedBf16Ops(lib)
+    return TorchOps()
