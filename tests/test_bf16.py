@@ -165,8 +165,12 @@ def test_bf16_under_swap_preemption(
             spawn, model_dir, dtype="bfloat16", num_gpu_blocks=blocks, num_cpu_blocks=512,
             cp_args=("--preemption", "swap", "--max-num-seqs", "12"),
         )  # fmt: skip
+
+        def one(prompt: list[int], stack: Stack = stack) -> Output:
+            return ours_greedy_top(stack, [prompt], 40)[0]
+
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results[blocks] = list(pool.map(lambda p: ours_greedy_top(stack, [p], 40)[0], prompts))
+            results[blocks] = list(pool.map(one, prompts))
         stats = stack.stats()
         w = stats.workers[0]
         if blocks == 40:
