@@ -84,30 +84,11 @@ static inline void store_bf16x16(uint16_t *p, v16 v) {
 #endif
 }
 
-/* exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a scalar call):
- * x = n*ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor
- * polynomial (relative error < 2e-7), times 2^n built in the exponent bits. Below -87 the
- * result is flushed to exp(-87) ~ 1.6e-38. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    union {
-        int32_t i;
-        float f;
-    } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
-}
-
-/* exp_nonpositive on 16 lanes; n = round(x / ln2) through a truncating conversion, corrected
- * where it rounded up. */
+/* exp(x) for x <= 0, 16 lanes (libm's expf is a scalar call): x = n*ln2 + r with
+ * |r| <= ln2/2 (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor polynomial (relative
+ * error < 2e-7), times 2^n built in the exponent bits; n = round(x / ln2) through a truncating
+ * conversion, corrected where it rounded up. Below -87 the result is flushed to exp(-87)
+ * ~ 1.6e-38. */
 static inline v16 exp_nonpositive16(v16 x) {
     const i16 low = x < splat16(-87.f);
     x = (v16)((low & (i16)splat16(-87.f)) | (~low & (i16)x));

@@ -105,7 +105,7 @@ def row_pieces(rows: int) -> list[int]:
     """`rows` as BF16_PIECES-sized pieces, largest first, and a remainder below the smallest."""
     pieces: list[int] = []
     for size in BF16_PIECES:
-        while rows > size or (rows == size and size != BF16_PIECES[-1]):
+        while rows >= size:
             pieces.append(size)
             rows -= size
     return [*pieces, rows] if rows else pieces

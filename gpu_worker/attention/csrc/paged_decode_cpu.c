@@ -4,7 +4,8 @@
  * share one body: paged_decode_f32 (q, cache and out in float32) and paged_decode_bf16 (all
  * three in bfloat16, the 16-bit pattern of a float32's top half). Arithmetic is float32 in both:
  * a bf16 value widens to float32 exactly (a 16-bit shift), products and sums accumulate in
- * float32, and only the output is rounded back (to nearest even).
+ * float32, and only the output is rounded back (to nearest even). With AVX512-BF16 the bf16
+ * q.k products take vdpbf16ps on the bf16 pairs directly (exact products, float32 sums).
  *
  * Layouts (all row-major; "elements" are floats or bf16 values):
  *   q            token rows q_token_stride elements apart; head h of sequence s at
