@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagedserve.grpc_security import INSECURE, GrpcSecurity
+
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -19,13 +21,14 @@ class ControlPlaneConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int | None = None
     preemption: Literal["recompute", "swap"] = "recompute"
-    max_waiting: int = 1024
+    max_waiting: int | None = None  # None: as many as the healthy workers' pools hold
     tokenizer: str | None = None  # defaults to the model path the worker reports
     served_model_name: str | None = None
-    worker_connect_timeout_s: float = 300.0
+    worker_connect_timeout_s: float = 300.0  # for the first worker at startup; 0: no limit
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # plan step n+1 while the worker runs step n
     worker_failover_s: float = 10.0  # a worker silent this long loses its requests to others
+    grpc_security: GrpcSecurity = INSECURE  # for the port it serves and its worker channels
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -38,7 +41,9 @@ class ControlPlaneConfig:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.max_waiting < 0:
+        if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.worker_connect_timeout_s < 0:
+            raise ValueError("worker_connect_timeout_s must be >= 0 (0: no limit)")
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -26,7 +26,7 @@ from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.request import Request, RequestStatus
 from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConfig
 from control_plane.tokenizer import LoadedTokenizer
-from control_plane.worker_client import WorkerClient, WorkerError
+from control_plane.worker_client import Probe, WorkerClient, WorkerError
 from pagedserve.log import get_logger
 from pagedserve.plan import SampledToken, StepPlan
 from pagedserve.sampling_params import InvalidRequestError
@@ -39,6 +39,12 @@ log = get_logger(__name__)
 WORKER_FAILOVER_S = 10.0
 # Failed steps in a row (the worker answering between them) before the requests are failed.
 MAX_CONSECUTIVE_FAILURES = 3
+# Every worker's health service is probed this often, busy or idle. One that nothing answers
+# for (the process is gone) is lost at once; one that stays connected but silent (stopped,
+# hung) is left out of placement after SILENT_UNHEALTHY_S and lost after the failover timeout.
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 1.0
+SILENT_UNHEALTHY_S = 3.0
 
 
 @dataclass
@@ -51,7 +57,7 @@ class OutputChunk:
     num_prompt_tokens: int
     num_output_tokens: int  # of this completion (index), so far
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: int | str | None = None  # a stop token id or a stop string
     index: int = 0  # which of the request's n completions
     last: bool = False  # nothing follows for this client request
     time_to_first_token_s: float | None = None  # set on a completion's final chunk
@@ -186,8 +192,12 @@ class EngineLoop:
         # Moves this loop's requests to other workers; returns False when there are none.
         self.hand_off: Callable[[EngineLoop], bool] = lambda loop: False
         self.failover_after_s = WORKER_FAILOVER_S
-        self.given_up = False  # the worker stayed silent past failover; admission refuses it
         self._consecutive_failures = 0
+        self._watch_task: asyncio.Task[None] | None = None
+        self._last_answer = time.monotonic()  # a probe answered or a step result arrived
+        self._recovering = False  # the worker was lost; the run loop waits for it to answer
+        self._silent = False  # out of placement for silence alone, not lost yet
+        self._lost: tuple[str, bool] | None = None  # (why, hand off at once), for the run loop
 
     def _new_scheduler(self) -> Scheduler:
         bm = BlockManager(
@@ -281,30 +291,80 @@ class EngineLoop:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name=f"engine-{self.client.address}")
+        self._watch_task = asyncio.create_task(self.watch(), name=f"watch-{self.client.address}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._watch_task, self._task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         await self.client.close()
+
+    async def watch(self) -> None:
+        """Probes the worker every PROBE_INTERVAL_S, whether or not it has work: a worker that
+        died idle is noticed within a probe, not at the next request, and one that hangs in a
+        step is noticed although its stream never breaks."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            probe = await self.client.probe(PROBE_TIMEOUT_S)
+            now = time.monotonic()
+            if probe is Probe.ANSWERED:
+                self._last_answer = now
+                if self._silent:
+                    self._silent = False
+                    self.healthy = True
+                    log.info("worker_answering", worker=self.client.address)
+                continue
+            if self._recovering:  # the run loop is waiting for it to come back
+                continue
+            silent_s = now - self._last_answer
+            if probe is Probe.DOWN:
+                self._lose("does not answer (the process is gone)", hand_off_now=False)
+            elif silent_s >= self.failover_after_s:
+                self._lose(f"silent for {silent_s:.1f} s", hand_off_now=True)
+            elif silent_s >= SILENT_UNHEALTHY_S and not self._silent:
+                self._silent = True
+                self.healthy = False
+                log.warning("worker_silent", worker=self.client.address, silent_s=silent_s)
+
+    def _lose(self, why: str, hand_off_now: bool) -> None:
+        """Gives the worker up: the run loop moves its requests (after the failover wait for a
+        worker that may restart, at once for one that was silent that long already), and the
+        step it waits for is abandoned, so a late result is never applied."""
+        self.healthy = False
+        self._recovering = True
+        self._lost = (why, hand_off_now)
+        self.client.interrupt(why)
+        self._wakeup.set()
 
     async def run(self) -> None:
         while True:
             if (
-                not self._in_flight
+                self._lost is None
+                and not self._in_flight
                 and not self.scheduler.has_unfinished_requests()
                 and not self.scheduler.has_pending_finished()
             ):
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            if self._lost is not None:
+                why, hand_off_now = self._lost
+                self._lost = None
+                self._in_flight.clear()
+                await self._on_worker_lost(
+                    WorkerError(f"worker {self.client.address}: {why}"), hand_off_now
+                )
+                continue
             try:
                 await self.step()
                 self._consecutive_failures = 0
             except WorkerError as exc:
                 self._in_flight.clear()
+                if self._lost is not None:  # the watcher gave the worker up during the step
+                    continue
                 await self._on_worker_error(exc)
             except Exception as exc:  # a bug must fail its requests, never stop this loop
                 log.exception("engine_step_failed", worker=self.client.address)
@@ -324,12 +384,20 @@ class EngineLoop:
             self._consecutive_failures = 0
             await asyncio.sleep(1.0)
             return
+        await self._on_worker_lost(exc, hand_off_now=False)
+
+    async def _on_worker_lost(self, exc: WorkerError, hand_off_now: bool) -> None:
+        """Requeues every request from its prompt and streamed tokens; waits up to the failover
+        timeout for the worker to answer again (unless it was silent that long already), then
+        hands the requests to another worker, or fails them if there is none."""
+        if hand_off_now:
+            log.error("worker_lost", worker=self.client.address, error=str(exc))
+        self._recovering = True
+        self.healthy = False
         self._restart_scheduler()
-        if not await self._reconnect(self.failover_after_s):
-            # Hand the requests to another worker, or fail them if there is none.
+        if hand_off_now or not await self._reconnect(self.failover_after_s):
             if not self.hand_off(self):
                 self._fail_all(exc)
-            self.given_up = True
             await self._reconnect(None)
 
     async def step(self) -> None:
@@ -349,6 +417,7 @@ class EngineLoop:
             await self._schedule_and_send()
         plan = self._in_flight[0]
         result = await self.client.receive(plan)
+        self._last_answer = time.monotonic()
         self._in_flight.popleft()
         self.counters.num_steps += 1
         deltas = self.scheduler.update(plan, result)
@@ -387,9 +456,11 @@ class EngineLoop:
             stream.num_output_tokens[d.index] += len(d.new_token_ids)
             text = stream.detokenizers[d.index].add(d.new_token_ids, d.finished)
             finish_reason: str | None = d.finish_reason
-            stop_reason = None if d.stop_reason is None else str(d.stop_reason)
+            stop_reason: int | str | None = d.stop_reason
             if text.stop_string is not None:
                 finish_reason, stop_reason = "stop", text.stop_string
+                if r.sampling.include_stop_str_in_output:
+                    text = replace(text, text=text.text + text.stop_string)
                 if not d.finished:
                     # A stop string ends this completion only; its siblings go on.
                     self.scheduler.finish_requests([d.req_id], RequestStatus.FINISHED_STOPPED)
@@ -434,8 +505,12 @@ class EngineLoop:
             log.info("worker_restarted", worker=self.client.address, epoch=info.epoch)
             self.info = info
             self._restart_scheduler()
+        else:
+            log.info("worker_answering", worker=self.client.address)
+        self._last_answer = time.monotonic()
+        self._silent = False
+        self._recovering = False
         self.healthy = True
-        self.given_up = False
         return True
 
     def _restart_scheduler(self) -> None:

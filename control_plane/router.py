@@ -62,6 +62,18 @@ class Router:
             self._wakeup.set()
         self._tasks.append(asyncio.create_task(self._flush_forever(), name="prefix-index-sync"))
 
+    async def add(self, loop: EngineLoop) -> None:
+        """Takes in a worker that registered after the start: what the index says of an earlier
+        process at its address carries another epoch and is fenced off already."""
+        loop.on_step = self._wakeup.set
+        self.loops.append(loop)
+        if self.available:
+            try:
+                await self.index.replace_worker(self.ref(loop), [])
+            except PrefixIndexUnavailable as exc:
+                self._lost(exc)
+                self._wakeup.set()
+
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -79,8 +91,9 @@ class Router:
             cached = min(hits.get(loop.client.address, 0) * self.block_size, n - 1)
             return (n - cached) + loop.load
 
-        candidates = [loop for loop in self.loops if loop.healthy] or self.loops
-        best = min(candidates, key=cost)
+        # A worker that does not answer is never chosen (admission has checked that one does;
+        # should all stop during the lookup, the failover path takes the request).
+        best = min([loop for loop in self.loops if loop.healthy] or self.loops, key=cost)
         if hits.get(best.client.address, 0) > 0:
             self.counters.num_routed_with_prefix_hit += 1
         return best

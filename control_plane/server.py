@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -25,7 +26,7 @@ from control_plane.router import Router
 from control_plane.scheduler import SchedulerConfig
 from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
 from control_plane.worker_client import WorkerClient, WorkerError
-from pagedserve import wire
+from pagedserve import grpc_security, wire
 from pagedserve.log import get_logger
 from pagedserve.sampling_params import InvalidRequestError, SamplingParams
 from protos.v1 import control_plane_pb2 as pb
@@ -33,6 +34,25 @@ from protos.v1 import control_plane_pb2_grpc as pb_grpc
 from protos.v1 import worker_pb2
 
 log = get_logger(__name__)
+
+# Registering a listed worker: each try waits this long for an answer, then the next try
+# follows after a back-off doubling from the minimum to the maximum.
+WORKER_DESCRIBE_TIMEOUT_S = 2.0
+WORKER_RETRY_MIN_S = 0.2
+WORKER_RETRY_MAX_S = 2.0
+WAITING_LOG_INTERVAL_S = 10.0
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+# Prompts are tokenized on these threads, never on the event loop the engine loops share; the
+# tokenizer releases the GIL, and two threads bound the CPU a burst of long prompts can take.
+TOKENIZE_THREADS = 2
+# How often the health service is brought in line with the workers' state.
+HEALTH_POLL_S = 0.2
+# The health service name that only says the process runs (Kubernetes' liveness probe).
+LIVENESS_SERVICE = "liveness"
+
+
+class WorkersUnreachable(RuntimeError):
+    """No listed worker answered within the startup wait."""
 
 
 class AdmissionError(Exception):
@@ -61,61 +81,133 @@ class ControlPlane:
         self.model_name = ""
         self.info: worker_pb2.WorkerInfo | None = None
         self.router: Router | None = None
+        self.pending: set[str] = set(config.workers)  # listed workers not registered yet
+        self._registering: list[asyncio.Task[None]] = []
+        self._registered = asyncio.Event()  # the first worker has registered (or failed to)
+        self._register_lock = asyncio.Lock()
+        self._startup_error: BaseException | None = None
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     async def connect(self) -> None:
-        infos: list[tuple[WorkerClient, worker_pb2.WorkerInfo]] = []
-        for address in self.config.workers:
-            client = WorkerClient(address)
-            info = await client.describe(timeout=self.config.worker_connect_timeout_s)
-            log.info(
-                "worker_registered",
-                worker=address,
-                model=info.model,
-                num_gpu_blocks=info.num_gpu_blocks,
-                epoch=info.epoch,
+        """Registers the listed workers as they answer, each retried with a back-off of at
+        most WORKER_RETRY_MAX_S. Returns once the first one has registered: the control plane
+        serves with the workers it has, and the others join when they come up. Raises
+        WorkersUnreachable when none answers within worker_connect_timeout_s (0: no limit)."""
+        log.info("waiting_for_workers", workers=sorted(self.pending))
+        self._registering = [
+            asyncio.create_task(self._register(address), name=f"register-{address}")
+            for address in self.config.workers
+        ]
+        timeout = self.config.worker_connect_timeout_s or None
+        try:
+            await asyncio.wait_for(self._registered.wait(), timeout)
+        except TimeoutError:
+            raise WorkersUnreachable(
+                f"no worker answered within {timeout:.0f} s (--worker-connect-timeout): "
+                f"{', '.join(sorted(self.pending))}"
+            ) from None
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    @property
+    def serving(self) -> bool:
+        """At least one worker is registered and answering: what both health endpoints say."""
+        return any(loop.healthy for loop in self.loops)
+
+    async def _register(self, address: str) -> None:
+        client = WorkerClient(address, security=self.config.grpc_security)
+        delay = WORKER_RETRY_MIN_S
+        last_log = -WAITING_LOG_INTERVAL_S
+        while True:
+            try:
+                info = await client.describe(timeout=WORKER_DESCRIBE_TIMEOUT_S)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() - last_log >= WAITING_LOG_INTERVAL_S:
+                    last_log = time.monotonic()
+                    if exc.code() in REFUSALS:  # it answers, but not to us: a setup error
+                        log.error("worker_refuses", worker=address, error=exc.details())
+                    else:
+                        log.info("waiting_for_worker", worker=address, status=exc.code().name)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, WORKER_RETRY_MAX_S)
+        try:
+            async with self._register_lock:
+                await self._add_worker(client, info)
+        except Exception as exc:
+            await client.close()
+            if self.info is None:  # nothing can be served without the first worker's model
+                self._startup_error = exc
+                self._registered.set()
+            else:
+                log.error("worker_refused", worker=address, error=str(exc))
+
+    async def _add_worker(self, client: WorkerClient, info: worker_pb2.WorkerInfo) -> None:
+        first = self.info
+        if first is None:
+            self.model_name = self.config.served_model_name or info.model
+            self.tokenizer = await asyncio.to_thread(
+                load_tokenizer, self.config.tokenizer or info.model_path
             )
-            infos.append((client, info))
-        first = infos[0][1]
-        for _, info in infos[1:]:
-            if (info.architecture, info.vocab_size) != (first.architecture, first.vocab_size):
-                raise RuntimeError("all workers must serve the same model")
-        self.info = first
-        self.model_name = self.config.served_model_name or first.model
-        self.tokenizer = load_tokenizer(self.config.tokenizer or first.model_path)
-        for client, info in infos:
-            sched_cfg = SchedulerConfig(
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                max_model_len=info.max_model_len,
-                preemption_mode=self.config.preemption,
-                eos_token_ids=tuple(info.eos_token_ids),
-                long_prefill_token_threshold=self.config.long_prefill_token_threshold,
+        elif (info.architecture, info.vocab_size) != (first.architecture, first.vocab_size):
+            raise RuntimeError(
+                f"it serves {info.model} ({info.architecture}, vocab {info.vocab_size}), the "
+                f"cluster {first.model} ({first.architecture}, vocab {first.vocab_size}): all "
+                "workers must serve the same model"
             )
-            loop = EngineLoop(
-                client,
-                info,
-                sched_cfg,
-                self.tokenizer,
-                self.config.enable_prefix_caching,
-                self.config.async_scheduling,
-            )
-            loop.hand_off = self.take_over
-            loop.failover_after_s = self.config.worker_failover_s
-            loop.start()
-            self.loops.append(loop)
-        index: PrefixIndex = (
-            RedisPrefixIndex(self.config.redis_url, self.model_name)
-            if self.config.redis_url
-            else MemoryPrefixIndex()
+        assert self.tokenizer is not None
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=info.max_model_len,
+            preemption_mode=self.config.preemption,
+            eos_token_ids=tuple(info.eos_token_ids),
+            long_prefill_token_threshold=self.config.long_prefill_token_threshold,
         )
-        self.router = Router(self.loops, index, first.block_size)
-        await self.router.start()
+        loop = EngineLoop(
+            client,
+            info,
+            sched_cfg,
+            self.tokenizer,
+            self.config.enable_prefix_caching,
+            self.config.async_scheduling,
+        )
+        loop.hand_off = self.take_over
+        loop.failover_after_s = self.config.worker_failover_s
+        if self.router is None:
+            index: PrefixIndex = (
+                RedisPrefixIndex(self.config.redis_url, self.model_name)
+                if self.config.redis_url
+                else MemoryPrefixIndex()
+            )
+            self.router = Router([loop], index, info.block_size)
+            await self.router.start()
+        else:
+            await self.router.add(loop)
+        loop.start()
+        self.loops.append(loop)
+        self.pending.discard(client.address)
+        if first is None:
+            self.info = info
+        log.info(
+            "worker_registered",
+            worker=client.address,
+            model=info.model,
+            num_gpu_blocks=info.num_gpu_blocks,
+            epoch=info.epoch,
+            waiting_for=sorted(self.pending),
+        )
+        self._registered.set()
 
     async def close(self) -> None:
+        for task in self._registering:
+            task.cancel()
+        await asyncio.gather(*self._registering, return_exceptions=True)
         if self.router is not None:
             await self.router.close()
         for loop in self.loops:
             await loop.stop()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -148,7 +240,7 @@ class ControlPlane:
             )
         if "#" in req_id:
             raise InvalidRequestError("request ids must not contain '#'")
-        if all(loop.given_up for loop in self.loops):
+        if not self.serving:
             raise AdmissionError(grpc.StatusCode.UNAVAILABLE, "no worker is answering")
         assert self.router is not None
         loop = await self.router.place(prompt_ids, cache_salt)
@@ -156,12 +248,53 @@ class ControlPlane:
         if any(req_id in lp.streams for lp in self.loops):
             raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id} is running")
         waiting = sum(lp.scheduler.num_waiting for lp in self.loops)
-        if waiting >= self.config.max_waiting:
+        limit = self.waiting_limit(n + sampling.max_tokens)
+        if waiting >= limit:
             raise AdmissionError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the waiting queue is full ({waiting} requests); retry later",
+                f"the waiting queue is full ({waiting} requests, limit {limit}"
+                f"{'' if self.config.max_waiting is not None else ' from the KV pool'}; "
+                "--max-waiting sets it); retry later",
             )
         return loop
+
+    def waiting_limit(self, request_tokens: int) -> int:
+        """How many requests may wait. `--max-waiting N` fixes it; by default it is as many as
+        the healthy workers' KV pools hold at once at this request's full length (prompt +
+        max_tokens), at most max_num_seqs each: a request then waits behind at most one full
+        pool of others, and beyond that the client hears 429 at once rather than queueing for
+        minutes."""
+        if self.config.max_waiting is not None:
+            return self.config.max_waiting
+        limit = 0
+        for loop in self.loops:
+            if loop.healthy:
+                blocks = -(-request_tokens // loop.info.block_size)
+                fits = loop.info.num_gpu_blocks // blocks
+                limit += max(1, min(self.config.max_num_seqs, fits))
+        return limit
+
+    def check_ready(self) -> None:
+        """UNAVAILABLE until the first worker has registered (the model is unknown before)."""
+        if self.info is None:
+            raise AdmissionError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no worker has registered yet (waiting for {', '.join(sorted(self.pending))})",
+            )
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a prompt, off the event loop. A text longer than any context could
+        hold is refused before a thread spends a moment on it."""
+        tok, info = self.tokenizer, self.info
+        assert tok is not None and info is not None
+        limit = info.max_model_len * tok.max_token_chars
+        if len(text) > limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(text)} characters; the model's maximum context length of "
+                f"{info.max_model_len} tokens holds at most {limit} characters"
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, tok.encode, text, add_special_tokens)
 
     def abort(self, req_id: str) -> bool:
         return any(loop.abort(req_id) for loop in self.loops)
@@ -192,6 +325,7 @@ class ControlPlane:
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def __init__(self, cp: ControlPlane) -> None:
         self.cp = cp
+        self.owners = grpc_security.RequestOwners()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -201,6 +335,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         rlog = log.bind(request_id=req_id)
         stream = None
         try:
+            cp.check_ready()
             if request.model and request.model != cp.model_name:
                 raise AdmissionError(
                     grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here"
@@ -228,6 +363,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             rlog.info("request_rejected", code=code.name, reason=message)
             await context.abort(code, message)
             return
+        self.owners.record(req_id, context)
         try:
             while True:
                 # Everything queued since the last message goes out merged per completion: a
@@ -269,26 +405,29 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 tok.special_tokens,
             )
             # The template writes any BOS itself.
-            return await asyncio.to_thread(tok.encode, text, False)
+            return await self.cp.tokenize(text, False)
         if which != "text":
             raise InvalidRequestError("a prompt is required: set text, token_ids or chat")
         if not request.text:
             raise InvalidRequestError("the prompt is empty")
-        # Tokenization runs on a thread, off the event loop the engine loops share.
-        return await asyncio.to_thread(
-            tok.encode, request.text, _flag(request, "add_special_tokens")
-        )
+        return await self.cp.tokenize(request.text, _flag(request, "add_special_tokens"))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
+        # Only the caller that started a request may abort it; anyone else is told it was not
+        # found, which does not even reveal that the id is in use.
+        if not self.owners.owns(request.request_id, context):
+            return pb.AbortResponse(found=False)
         return pb.AbortResponse(found=self.cp.abort(request.request_id))
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         info = self.cp.info
-        assert info is not None
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has registered yet")
+            raise AssertionError("abort raises")
         model = pb.ModelInfo(
             id=self.cp.model_name,
             max_model_len=info.max_model_len,
@@ -301,6 +440,52 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
         return stats_to_proto(self.cp)
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        cp = self.cp
+        try:
+            _check_model(cp, request.model)
+            which = request.WhichOneof("prompt")
+            if which is None:
+                raise InvalidRequestError("a prompt is required: set text or chat")
+            # Through Generate's own path, so the ids are exactly those Generate would see.
+            as_generate = pb.GenerateRequest()
+            if which == "chat":
+                as_generate.chat.CopyFrom(request.chat)
+            else:
+                as_generate.text = request.text
+                if request.HasField("add_special_tokens"):
+                    as_generate.add_special_tokens = request.add_special_tokens
+            ids = await self._prompt_ids(as_generate)
+        except Exception as exc:
+            code, message = _status_for(exc)
+            await context.abort(code, message)
+        assert cp.info is not None and cp.tokenizer is not None
+        resp = pb.TokenizeResponse(token_ids=ids, max_model_len=cp.info.max_model_len)
+        if request.return_token_strs:
+            vocab = cp.tokenizer.tokenizer
+            resp.token_strs.extend(vocab.id_to_token(t) or "" for t in ids)
+        return resp
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        cp = self.cp
+        try:
+            _check_model(cp, request.model)
+            assert cp.info is not None and cp.tokenizer is not None
+            ids = list(request.token_ids)
+            if any(t >= cp.info.vocab_size for t in ids):
+                raise InvalidRequestError(f"token ids must be < vocab size {cp.info.vocab_size}")
+            text = await asyncio.to_thread(
+                cp.tokenizer.tokenizer.decode, ids, skip_special_tokens=False
+            )
+        except Exception as exc:
+            code, message = _status_for(exc)
+            await context.abort(code, message)
+        return pb.DetokenizeResponse(text=text)
 
 
 def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
@@ -375,9 +560,11 @@ def _chunk_to_proto(
         finish_reason=chunk.finish_reason or "",
         prompt_tokens=chunk.num_prompt_tokens,
         completion_tokens=chunk.num_output_tokens,
-        stop_reason=chunk.stop_reason or "",
+        stop_reason="" if chunk.stop_reason is None else str(chunk.stop_reason),
         index=chunk.index,
     )
+    if isinstance(chunk.stop_reason, int):
+        msg.stop_token_id = chunk.stop_reason
     if chunk.time_to_first_token_s is not None:
         msg.time_to_first_token_s = chunk.time_to_first_token_s
     for sampled in chunk.logprobs:
@@ -393,7 +580,8 @@ def _chunk_to_proto(
 async def serve(config: ControlPlaneConfig) -> None:
     """Connects to the workers and serves until cancelled (SIGINT/SIGTERM)."""
     cp = ControlPlane(config)
-    server = grpc.aio.server(
+    server = grpc_security.aio_server(
+        config.grpc_security,
         options=[
             ("grpc.max_receive_message_length", 16 << 20),
             # A final-only message carries a whole completion (~300 B a token with logprobs).
@@ -404,7 +592,7 @@ async def serve(config: ControlPlaneConfig) -> None:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),
-        ]
+        ],
     )
     pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneServicer(cp), server)
     health_servicer = health.aio.HealthServicer()
@@ -418,21 +606,48 @@ async def serve(config: ControlPlaneConfig) -> None:
         ),
         server,
     )
-    server.add_insecure_port(f"{config.host}:{config.port}")
+    grpc_security.add_port(server, f"{config.host}:{config.port}", config.grpc_security)
     await server.start()
-    for name in ("", service_name):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    # "" and the service name: SERVING while a worker answers (readiness, and what the
+    # gateway's /health reports); "liveness": SERVING while this process runs.
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("control_plane_listening", address=f"{config.host}:{config.port}")
+    follow = asyncio.create_task(_follow_health(cp, health_servicer, ("", service_name)))
     try:
         await cp.connect()
-        for name in ("", service_name):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("control_plane_ready", model=cp.model_name, workers=list(config.workers))
+        log.info(
+            "control_plane_ready",
+            model=cp.model_name,
+            workers=[lp.client.address for lp in cp.loops],
+        )
         await server.wait_for_termination()
     finally:
+        follow.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=5)
         await cp.close()
+
+
+async def _follow_health(
+    cp: ControlPlane, servicer: health.aio.HealthServicer, names: tuple[str, ...]
+) -> None:
+    """Keeps the health service's status equal to `cp.serving`, logging each change."""
+    serving: bool | None = None
+    while True:
+        now = cp.serving
+        if now != serving:
+            serving = now
+            status = health_pb2.HealthCheckResponse
+            for name in names:
+                await servicer.set(name, status.SERVING if now else status.NOT_SERVING)
+            if cp.info is not None:
+                log.info("control_plane_serving" if now else "control_plane_not_serving")
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
+def _check_model(cp: ControlPlane, model: str) -> None:
+    if model and model != cp.model_name:
+        raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here")
 
 
 def _flag(msg: Any, name: str) -> bool:

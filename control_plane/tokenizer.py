@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -25,9 +26,20 @@ class LoadedTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of text; add_special_tokens applies the tokenizer's own post-processor
-        (BOS for Llama-style tokenizers)."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        (BOS for Llama-style tokenizers). Runs without the GIL (`encode` would hold it for the
+        whole text, `encode_batch` releases it), so a long prompt tokenized on a thread stalls
+        no other Python thread."""
+        batch = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = batch[0].ids
         return ids
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its vocabulary entry is at
+        least as long (byte-level entries spell one character per byte, SentencePiece pieces
+        one per character, byte-fallback tokens `<0xNN>` six for one byte). A text longer than
+        this times a context length can never fit it, whatever it holds."""
+        return max(len(piece) for piece in self.tokenizer.get_vocab(with_added_tokens=True))
 
 
 def load_tokenizer(model_path: str | Path) -> LoadedTokenizer:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve import wire
+from pagedserve.grpc_security import INSECURE, GrpcSecurity, aio_channel
 from pagedserve.plan import StepPlan, StepResult
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
@@ -15,7 +18,18 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # A worker that comes back (restarted, or late at startup) is reconnected within 2 s:
+    # gRPC's default back-off grows to 120 s between attempts.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+
+
+class Probe(enum.Enum):
+    ANSWERED = "answered"
+    DOWN = "down"  # nothing listens, or the connection broke
+    SILENT = "silent"  # connected, but no answer in time (stopped, or hung)
 
 
 class WorkerError(RuntimeError):
@@ -23,11 +37,29 @@ class WorkerError(RuntimeError):
 
 
 class WorkerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, security: GrpcSecurity = INSECURE) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, security, CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._interrupt: asyncio.Future[str] | None = None  # set: the stream is given up
+
+    async def probe(self, timeout: float) -> Probe:
+        """One health check, never waiting for a connection."""
+        try:
+            await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            silent = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            return Probe.SILENT if silent else Probe.DOWN
+        return Probe.ANSWERED
+
+    def interrupt(self, why: str) -> None:
+        """Gives up the Execute stream: a receive() waiting on it raises WorkerError(why) now,
+        and whatever the worker still sends on it is never read."""
+        if self._interrupt is not None and not self._interrupt.done():
+            self._interrupt.set_result(why)
+        self.reset_stream()
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return await self.stub.Describe(
@@ -49,11 +81,18 @@ class WorkerClient:
         """Reads the result of the plan sent last."""
         if self._call is None:
             raise WorkerError(f"worker {self.address}: no plan is in flight")
+        if self._interrupt is None or self._interrupt.done():
+            self._interrupt = asyncio.get_running_loop().create_future()
+        read = asyncio.ensure_future(self._call.read())
+        await asyncio.wait((read, self._interrupt), return_when=asyncio.FIRST_COMPLETED)
+        if self._interrupt.done():  # given up: even a result that came meanwhile is dropped
+            read.cancel()
+            raise self._failed(self._interrupt.result())
         try:
-            msg = await self._call.read()
+            msg = read.result()
         except grpc.aio.AioRpcError as exc:
             raise self._failed(f"{exc.code().name}: {exc.details()}") from exc
-        except asyncio.InvalidStateError as exc:
+        except (asyncio.InvalidStateError, asyncio.CancelledError) as exc:
             raise self._failed("the Execute stream has ended") from exc
         if msg is grpc.aio.EOF:
             raise self._failed("closed the Execute stream")

@@ -1,10 +1,12 @@
-"""The FastAPI app: OpenAI routes, /health and /metrics over one control-plane channel."""
+"""The FastAPI app: OpenAI routes, vLLM's /tokenize, /detokenize and /version, /health and
+/metrics over one control-plane channel."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -18,11 +20,37 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_grpc, install_handlers
 from gateway.generate import respond
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import ApiKeyAuth, BodyLimit, RequestContext, request_id_of
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.middleware import ApiKeyAuth, BodyLimit, HeadAsGet, RequestContext, request_id_of
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+    message_texts,
+)
 from gateway.responses import ChatFormat, CompletionFormat, Format
+from gateway.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    DetokenizeResponse,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+    sse_response,
+)
 from gateway.upstream import Upstream
+from pagedserve import __version__
+from pagedserve.log import get_logger
 from protos.v1 import control_plane_pb2 as pb
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
 
 
 class ErrorDetail(BaseModel):
@@ -57,6 +85,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._upstream: Upstream | None = None
         self._default_model: str | None = None
+        self.started = int(time.time())  # the models' `created`
 
     @property
     def upstream(self) -> Upstream:
@@ -64,7 +93,11 @@ class Gateway:
         return self._upstream
 
     async def start(self) -> None:
-        self._upstream = Upstream(self.config.control_plane, self.config.control_timeout_s)
+        self._upstream = Upstream(
+            self.config.control_plane,
+            self.config.control_timeout_s,
+            security=self.config.grpc_security,
+        )
 
     async def stop(self) -> None:
         if self._upstream is not None:
@@ -93,6 +126,19 @@ class Gateway:
                 raise APIError(503, "the control plane serves no model", type="server_error")
             self._default_model = models[0].id
         return self._default_model, ""
+
+    async def prompt_text(self, token_ids: list[int]) -> str:
+        """A token-id prompt as text (what `echo` shows)."""
+        req = pb.DetokenizeRequest(token_ids=token_ids)
+        resp = await self.upstream_call(self.upstream.detokenize(req))
+        return resp.text
+
+    async def upstream_call(self, call: Awaitable[T]) -> T:
+        """A unary control-plane call, its gRPC errors mapped to HTTP ones."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc(exc, self.config.retry_after_s) from None
 
     async def run(
         self, request: Request, body: SamplingFields, choices: list[Choice], fmt: Format
@@ -129,17 +175,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
     # Starlette wraps in reverse: the last added runs first.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(RequestContext)
 
-    @app.post("/v1/completions", response_model=None, responses=_ERRORS)
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_ERRORS, 200: sse_response(CompletionChunk)},
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        _log_ignored(body)
         body.check()
         shown, upstream_model = await gw.model_names(body.model)
         rid = request_id_of(request.scope)
-        prompts = body.prompts()
+        prompts: list[str | list[int]] = list(body.prompts())
         sampling = sampling_proto(body, body.logprobs)
         single = len(prompts) == 1
         choices: list[Choice] = []
+        echo: dict[int, str] = {}
         for i, prompt in enumerate(prompts):
             base = pb.GenerateRequest(
                 model=upstream_model, sampling=sampling, add_special_tokens=body.add_special_tokens
@@ -148,12 +201,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 base.text = prompt
             else:
                 base.token_ids.ids.extend(prompt)
+            if body.echo:
+                text = prompt if isinstance(prompt, str) else await gw.prompt_text(prompt)
+                echo.update(dict.fromkeys(range(i * body.n, (i + 1) * body.n), text))
             choices += expand_choices(base, body.n, i * body.n, rid, single)
-        fmt = CompletionFormat(f"cmpl-{rid}", shown, body.logprobs)
+        fmt = CompletionFormat(f"cmpl-{rid}", shown, body.logprobs, echo)
         return await gw.run(request, body, choices, fmt)
 
-    @app.post("/v1/chat/completions", response_model=None, responses=_ERRORS)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_ERRORS, 200: sse_response(ChatCompletionChunk)},
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _log_ignored(body)
         body.check()
         shown, upstream_model = await gw.model_names(body.model)
         rid = request_id_of(request.scope)
@@ -167,24 +228,60 @@ def create_app(config: GatewayConfig) -> FastAPI:
         fmt = ChatFormat(f"chatcmpl-{rid}", shown, logprobs)
         return await gw.run(request, body, choices, fmt)
 
-    @app.get("/v1/models", responses=_ERRORS)
-    async def list_models() -> dict[str, Any]:
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models() -> ModelList:
         models = await gw.models()
         served = config.served_model_name
         data = [
-            {
-                "id": served or m.id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "pagedserve",
-                "root": m.id,
-                "max_model_len": m.max_model_len,
-            }
+            ModelCard(
+                id=served or m.id, created=gw.started, root=m.id, max_model_len=m.max_model_len
+            )
             for m in (models[:1] if served else models)
         ]
-        return {"object": "list", "data": data}
+        return ModelList(data=data)
 
-    @app.get("/health", responses={503: _ERRORS[503]})
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """The prompt's token ids as a completion (`prompt`) or a chat (`messages`) sees them."""
+        _log_ignored(body)
+        body.check()
+        _, upstream_model = await gw.model_names(body.model)
+        req = pb.TokenizeRequest(
+            model=upstream_model, return_token_strs=bool(body.return_token_strs)
+        )
+        if body.messages is not None:
+            req.chat.add_generation_prompt = body.add_generation_prompt
+            req.chat.messages.extend(
+                pb.ChatMessage(role=role, content=content)
+                for role, content in message_texts(body.messages)
+            )
+        else:
+            assert body.prompt is not None
+            req.text = body.prompt
+            if body.add_special_tokens is not None:
+                req.add_special_tokens = body.add_special_tokens
+        resp = await gw.upstream_call(gw.upstream.tokenize(req))
+        return TokenizeResponse(
+            count=len(resp.token_ids),
+            max_model_len=resp.max_model_len,
+            tokens=list(resp.token_ids),
+            token_strs=list(resp.token_strs) if body.return_token_strs else None,
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids, special tokens included."""
+        _log_ignored(body)
+        _, upstream_model = await gw.model_names(body.model)
+        req = pb.DetokenizeRequest(model=upstream_model, token_ids=body.tokens)
+        resp = await gw.upstream_call(gw.upstream.detokenize(req))
+        return DetokenizeResponse(prompt=resp.text)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/health", response_model=HealthStatus, responses={503: _ERRORS[503]})
     async def health() -> JSONResponse:
         """200 while the control plane serves and at least one worker is healthy."""
         if await gw.upstream.serving():
@@ -216,8 +313,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     op.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            # The stream events' shapes, which the text/event-stream descriptions name.
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionChunk, ChatCompletionChunk):
+                event = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub in event.pop("$defs", {}).items():
+                    components.setdefault(name, sub)
+                components[model.__name__] = event
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _log_ignored(body: Any) -> None:
+    """Unknown fields are dropped, as vLLM does, with one line naming them."""
+    ignored = body.ignored_fields()
+    if ignored:
+        log.warning("unknown_fields_ignored", fields=ignored)

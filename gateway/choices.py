@@ -54,6 +54,7 @@ def sampling_proto(body: SamplingFields, logprobs: int | None) -> common_pb2.Sam
     )
     if not body.skip_special_tokens:
         msg.skip_special_tokens = False
+    msg.include_stop_str_in_output = body.include_stop_str_in_output
     max_tokens = body.effective_max_tokens()
     if max_tokens is not None:
         msg.max_tokens = max_tokens

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.grpc_security import INSECURE, GrpcSecurity
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -21,6 +23,8 @@ class GatewayConfig:
     retry_after_s: int = 1
     # Deadline for the health, stats and model-list calls to the control plane.
     control_timeout_s: float = 2.0
+    # Token and TLS for the channel to the control plane.
+    grpc_security: GrpcSecurity = INSECURE
 
     def __post_init__(self) -> None:
         host, sep, port = self.control_plane.rpartition(":")

@@ -73,7 +73,7 @@ class StatsCollector(Collector):
         yield gauge("num_workers", "Workers the control plane drives.", len(s.workers))
         yield gauge(
             "num_healthy_workers",
-            "Workers answering their Execute stream.",
+            "Workers answering the control plane's health probes.",
             sum(1 for w in s.workers if w.healthy),
         )
         yield counter("num_preemptions", "Preemptions (recompute and swap).", s.num_preemptions)

@@ -1,11 +1,14 @@
-"""Pure ASGI middleware (streaming-safe): request ids and access logs, API keys, body limits.
+"""Pure ASGI middleware (streaming-safe): request ids and access logs, HEAD, API keys, body
+limits.
 
 Order, outermost first: RequestContext (so every response carries `x-request-id`, errors
-included), ApiKeyAuth (reject before reading a body), BodyLimit (read the body once, bounded).
+included), HeadAsGet, ApiKeyAuth (reject before reading a body), BodyLimit (read the body once,
+bounded).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 import time
@@ -23,7 +26,11 @@ log = get_logger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-DRAIN_BYTES = 64 << 20
+# After a 413 the connection is closed. Until then, for at most this long and this many bytes,
+# what the client is still sending is read and dropped: a client that reads only once it has
+# written its body then finds the 413 in its buffer, not a connection reset.
+LINGER_S = 0.5
+LINGER_BYTES = 1 << 20
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -83,15 +90,39 @@ class RequestContext:
             structlog.contextvars.unbind_contextvars("request_id")
 
 
+class HeadAsGet:
+    """HEAD on any route answers as GET does (status and headers) without the body."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)
+
+
+def _needs_key(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
 class ApiKeyAuth:
-    """`Authorization: Bearer <key>` on /v1/*; /health and /metrics stay open for probes."""
+    """`Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize; /health, /metrics
+    and /version stay open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if self.key is None or scope["type"] != "http" or not _needs_key(scope["path"]):
             await self.app(scope, receive, send)
             return
         auth = _header(scope, b"authorization") or b""
@@ -110,9 +141,15 @@ class ApiKeyAuth:
 
 
 class BodyLimit:
-    """Reads a request body once, up to `max_bytes` (413 beyond), rejects bodies that are not
-    UTF-8 (400), and hands the app a receive that replays the body and then reports the
-    client's disconnect as usual."""
+    """Reads a request body once, up to `max_bytes`, rejects bodies that are not UTF-8 (400),
+    and hands the app a receive that replays the body and then reports the client's
+    disconnect as usual.
+
+    Past the limit the answer is 413 at once: before reading anything when Content-Length
+    says so, as soon as the bytes read pass it for a chunked body. The connection is then
+    closed (see `_too_large`), so a client can never make the gateway read more than the limit
+    plus LINGER_BYTES.
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -122,17 +159,9 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        too_large = APIError(
-            413,
-            f"the request body exceeds the limit of {self.max_bytes} bytes",
-            code="request_too_large",
-        )
-        # Past the limit the rest is read and dropped (up to a bound), so that the client,
-        # still sending, gets to read the 413 instead of a reset connection.
-        drain_to = self.max_bytes + DRAIN_BYTES
         length = _header(scope, b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > drain_to):
-            await too_large.response()(scope, receive, send)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._too_large(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -142,13 +171,12 @@ class BodyLimit:
                 return
             body = message.get("body", b"")
             size += len(body)
-            if size <= self.max_bytes:
-                chunks.append(body)
-            if not message.get("more_body", False) or size > drain_to:
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send, message.get("more_body", False))
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
                 break
-        if size > self.max_bytes:
-            await too_large.response()(scope, receive, send)
-            return
         data = b"".join(chunks)
         try:
             data.decode("utf-8")
@@ -166,3 +194,42 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _too_large(
+        self, scope: Scope, receive: Receive, send: Send, more_body: bool = True
+    ) -> None:
+        """Sends the whole 413 now, lingers (bounded) over the rest of the body, then ends the
+        response with `Connection: close`, which makes the server close the connection."""
+        err = APIError(
+            413,
+            f"the request body exceeds the limit of {self.max_bytes} bytes",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
+
+        async def send_open(message: Message) -> None:
+            # The body goes out in full; only the end of the response waits for the linger.
+            if message["type"] == "http.response.body":
+                message = {**message, "more_body": True}
+            await send(message)
+
+        await err.response()(scope, receive, send_open)
+        # A client waiting for `100 Continue` has sent nothing: there is nothing to linger over.
+        if more_body and _header(scope, b"expect") is None:
+            await _discard_body(receive, LINGER_BYTES, LINGER_S)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _discard_body(receive: Receive, max_bytes: int, timeout_s: float) -> None:
+    """Reads and drops request body messages until the body ends, or max_bytes or timeout_s
+    is reached."""
+    read = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while read <= max_bytes:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                read += len(message.get("body", b""))
+    except TimeoutError:
+        pass

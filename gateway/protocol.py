@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    model_validator,
+)
 
 from gateway.errors import bad_request
 from pagedserve.sampling_params import MAX_LOGPROBS, MAX_N
@@ -48,14 +56,36 @@ def _reject_lone_surrogates(value: Any) -> None:
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers commonly do.
+    # Unknown fields are ignored, as vLLM does; the routes log their names.
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    _ignored: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
     def _unicode(cls, data: Any) -> Any:
         _reject_lone_surrogates(data)
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, _Body):
+            model._ignored = [k for k in data if k not in cls.model_fields]
+        return model
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """Dotted paths of the request's fields that were dropped as unknown."""
+        out = [prefix + k for k in self._ignored]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, _Body):
+                out += value.ignored_fields(f"{prefix}{name}.")
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, _Body):
+                        out += item.ignored_fields(f"{prefix}{name}.{i}.")
+        return out
 
 
 class StreamOptions(_Body):
@@ -80,6 +110,7 @@ class SamplingFields(_Body):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX), INTEGRAL] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -138,8 +169,10 @@ class CompletionRequest(SamplingFields):
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs needs prompt logprobs, which are not supported", "echo"
+            )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if len(self.prompts()) * self.n > MAX_CHOICES:
@@ -157,12 +190,37 @@ class ChatMessage(_Body):
     name: Annotated[str, Field(max_length=512)] | None = None
 
 
+def message_texts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(role, content) pairs; text parts joined by newlines."""
+    out: list[tuple[str, str]] = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            out.append((m.role, m.content or ""))
+            continue
+        texts = []
+        for j, part in enumerate(m.content):
+            param = f"messages.{i}.content.{j}"
+            if part.type != "text":
+                raise bad_request(
+                    f"content parts of type {part.type!r} are not supported; send text",
+                    f"{param}.type",
+                )
+            if part.text is None:
+                raise bad_request("a text content part needs text", f"{param}.text")
+            texts.append(part.text)
+        out.append((m.role, "\n".join(texts)))
+    return out
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=65536)]
+
+
 class ResponseFormat(_Body):
     type: Annotated[str, Field(max_length=64)]
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=65536)]
+    messages: Messages
     max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
@@ -182,25 +240,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.top_logprobs or 0
 
     def message_texts(self) -> list[tuple[str, str]]:
-        """(role, content) pairs; text parts joined by newlines."""
-        out: list[tuple[str, str]] = []
-        for i, m in enumerate(self.messages):
-            if m.content is None or isinstance(m.content, str):
-                out.append((m.role, m.content or ""))
-                continue
-            texts = []
-            for j, part in enumerate(m.content):
-                param = f"messages.{i}.content.{j}"
-                if part.type != "text":
-                    raise bad_request(
-                        f"content parts of type {part.type!r} are not supported; send text",
-                        f"{param}.type",
-                    )
-                if part.text is None:
-                    raise bad_request("a text content part needs text", f"{param}.text")
-                texts.append(part.text)
-            out.append((m.role, "\n".join(texts)))
-        return out
+        return message_texts(self.messages)
 
     def check(self) -> None:
         super().check()
@@ -214,3 +254,40 @@ class ChatCompletionRequest(SamplingFields):
                 "response_format",
             )
         self.message_texts()
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a `prompt`, or `messages` rendered with the chat template."""
+
+    model: Annotated[str, Field(max_length=512)] | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Messages | None = None
+    # Default: true for a prompt, false for messages (the chat template writes its own).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send either prompt or messages", "prompt")
+        if self.messages is None:
+            return
+        for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "tools"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported", name)
+        if self.add_special_tokens:
+            raise bad_request(
+                "add_special_tokens with messages is not supported: the chat template writes "
+                "the special tokens",
+                "add_special_tokens",
+            )
+        message_texts(self.messages)
+
+
+class DetokenizeRequest(_Body):
+    model: Annotated[str, Field(max_length=512)] | None = None
+    tokens: list[TokenId]

@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.choices import ChoiceEvent
 from protos.v1 import common_pb2
+from protos.v1 import control_plane_pb2 as pb
 
 # What -inf becomes in JSON, which has no infinities (vLLM's choice too).
 NEG_INF_LOGPROB = -9999.0
@@ -22,12 +23,19 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else NEG_INF_LOGPROB
 
 
+def stop_reason(m: pb.GenerateResponse) -> int | str | None:
+    """The stop token id as an integer, the stop string as a string, else None (as vLLM)."""
+    if m.HasField("stop_token_id"):
+        return m.stop_token_id
+    return m.stop_reason or None
+
+
 @dataclass
 class ChoiceState:
     text: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -40,7 +48,7 @@ class ChoiceState:
         self.completion_tokens = m.completion_tokens
         if m.finish_reason:
             self.finish_reason = m.finish_reason
-            self.stop_reason = m.stop_reason or None
+            self.stop_reason = stop_reason(m)
 
 
 def usage(states: dict[int, ChoiceState], n: int) -> dict[str, int]:
@@ -104,6 +112,12 @@ class Format:
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
 
+    def worth_sending(self, m: pb.GenerateResponse) -> bool:
+        """A stream chunk goes out only with something in it: text, the finish, or logprobs the
+        client asked for. Tokens whose text is held back (part of a UTF-8 character, a possible
+        stop string) make no chunk of their own."""
+        return bool(m.text or m.finish_reason or (self.logprobs is not None and m.logprobs))
+
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -127,12 +141,26 @@ class Format:
 
 
 class CompletionFormat(Format):
+    """echo: the prompt text of each choice index, put before its completion's text."""
+
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        logprobs: int | None,
+        echo: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(response_id, model, logprobs)
+        self.echo = echo or {}
+        self._echo_pending = dict(self.echo)  # streamed with each choice's first chunk
+
     def chunk(self, ev: ChoiceEvent) -> dict[str, Any] | None:
         m = ev.message
-        if not (m.text or m.token_ids or m.finish_reason):
+        prefix = self._echo_pending.pop(ev.index, "")
+        if not (prefix or self.worth_sending(m)):
             return None
         lps = None
         if self.logprobs is not None:
@@ -141,10 +169,10 @@ class CompletionFormat(Format):
             self._offsets[ev.index] = offset + sum(len(lp.token) for lp in m.logprobs)
         choice = {
             "index": ev.index,
-            "text": m.text,
+            "text": prefix + m.text,
             "logprobs": lps,
             "finish_reason": m.finish_reason or None,
-            "stop_reason": m.stop_reason or None,
+            "stop_reason": stop_reason(m),
         }
         return self._envelope(self.chunk_object_name, [choice])
 
@@ -152,7 +180,7 @@ class CompletionFormat(Format):
         choices = [
             {
                 "index": i,
-                "text": "".join(s.text),
+                "text": self.echo.get(i, "") + "".join(s.text),
                 "logprobs": None if self.logprobs is None else completion_logprobs(s.logprobs),
                 "finish_reason": s.finish_reason,
                 "stop_reason": s.stop_reason,
@@ -185,7 +213,7 @@ class ChatFormat(Format):
 
     def chunk(self, ev: ChoiceEvent) -> dict[str, Any] | None:
         m = ev.message
-        if not (m.text or m.token_ids or m.finish_reason):
+        if not self.worth_sending(m):
             return None
         lps = None
         if self.logprobs is not None:
@@ -195,7 +223,7 @@ class ChatFormat(Format):
             "delta": {"content": m.text} if m.text else {},
             "logprobs": lps,
             "finish_reason": m.finish_reason or None,
-            "stop_reason": m.stop_reason or None,
+            "stop_reason": stop_reason(m),
         }
         return self._envelope(self.chunk_object_name, [choice])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.grpc_security import INSECURE, GrpcSecurity, aio_channel
 from protos.v1 import control_plane_pb2 as pb
 from protos.v1 import control_plane_pb2_grpc as pb_grpc
 
@@ -19,10 +20,12 @@ class Upstream:
     """ControlPlane and grpc.health.v1 stubs over one channel. Create it inside the event
     loop that will use it (grpc.aio binds the channel to the running loop)."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(
+        self, address: str, timeout_s: float, *, security: GrpcSecurity = INSECURE
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, security, _CHANNEL_OPTIONS)
         self.stub = pb_grpc.ControlPlaneStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -32,6 +35,12 @@ class Upstream:
     def generate(self, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
         """The server stream of one request; cancelling the call aborts it upstream."""
         return self.stub.Generate(request)
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        return await self.stub.Tokenize(request)
+
+    async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        return await self.stub.Detokenize(request)
 
     async def stats(self) -> pb.StatsResponse:
         return await self.stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker import cpu_isa
+from pagedserve.grpc_security import INSECURE, GrpcSecurity
 
 DTYPES = {
     "float32": torch.float32,
@@ -44,6 +45,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048  # size of the profiling pass on CUDA
     num_threads: int | None = None
     warmup_batch_size: int = 128  # decode batch sizes whose CPU kernels are built at startup
+    grpc_security: GrpcSecurity = INSECURE  # who may call it: token, TLS / mTLS
 
     def __post_init__(self) -> None:
         if self.dtype not in (AUTO, *DTYPES):

@@ -28,7 +28,7 @@ from gpu_worker.config import DTYPES, WorkerConfig
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
-from pagedserve import wire
+from pagedserve import grpc_security, wire
 from pagedserve.log import get_logger
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2, worker_pb2_grpc
@@ -289,7 +289,9 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
+    server = grpc_security.server(
+        cfg.grpc_security, futures.ThreadPoolExecutor(max_workers=8), options
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, model), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -299,7 +301,7 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    grpc_security.add_port(server, f"{cfg.host}:{cfg.port}", cfg.grpc_security)
     server.start()
     for name in ("", names[0]):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,16 @@ def _flag(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
     p.add_argument(flag, **kw)
 
 
+def _count_or_auto(text: str | int | None) -> int | None:
+    """'auto' -> None (the default rule), else a count >= 0."""
+    if text is None or text == "auto":
+        return None
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or auto, got {n}")
+    return n
+
+
 def parse_bytes(text: str) -> int:
     """'4GiB', '512M', '1e9' or '1073741824' -> bytes."""
     t = text.strip().lower().replace("ib", "").replace("b", "")
@@ -46,6 +57,22 @@ def _model_dir(arg: str | None, check_gguf: bool = True) -> str:
     try:
         return str(resolve_model(arg, check_gguf))
     except (GGUFError, ModelNotFoundError) as exc:
+        raise SystemExit(f"pagedserve: {exc}") from None
+
+
+def _grpc_security(a: argparse.Namespace, control_plane: str | None = None) -> Any:
+    """The GrpcSecurity of the security flags; a client of `control_plane` with no token given
+    uses the one `pagedserve up` saved for that address."""
+    from pagedserve.grpc_security import GrpcSecurity, saved_token
+
+    token = a.grpc_token or None
+    if token is None and control_plane is not None:
+        token = saved_token(control_plane)
+    try:
+        return GrpcSecurity(
+            token=token, cert_file=a.tls_cert_file, key_file=a.tls_key_file, ca_file=a.tls_ca_file
+        )
+    except ValueError as exc:
         raise SystemExit(f"pagedserve: {exc}") from None
 
 
@@ -101,6 +128,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
         max_model_len=a.max_model_len,
         num_threads=a.num_threads,
         warmup_batch_size=a.warmup_batch_size,
+        grpc_security=_grpc_security(a),
     )
     try:
         serve(cfg)
@@ -111,7 +139,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
 
 def cmd_control_plane(a: argparse.Namespace) -> int:
     from control_plane.config import ControlPlaneConfig
-    from control_plane.server import serve
+    from control_plane.server import WorkersUnreachable, serve
     from pagedserve.cluster import run_until_signalled, stop_on_signals
     from pagedserve.log import configure_logging
 
@@ -131,12 +159,16 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
         served_model_name=a.served_model_name,
         enable_prefix_caching=not a.no_prefix_caching,
         async_scheduling=not a.no_async_scheduling,
+        grpc_security=_grpc_security(a),
         worker_failover_s=a.worker_failover_timeout,
+        worker_connect_timeout_s=a.worker_connect_timeout,
     )
     try:
         run_until_signalled(partial(serve, cfg))
     except KeyboardInterrupt:  # before the event loop runs
         pass
+    except WorkersUnreachable as exc:
+        raise SystemExit(f"pagedserve control-plane: {exc}") from None
     return 0
 
 
@@ -152,6 +184,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         served_model_name=a.served_model_name or None,
         max_request_bytes=a.max_request_bytes,
         graceful_shutdown_s=a.graceful_shutdown_timeout,
+        grpc_security=_grpc_security(a),
     )
     serve(cfg)
     return 0
@@ -160,26 +193,36 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 def cmd_up(a: argparse.Namespace) -> int:
     from pagedserve.cluster import run_cluster
 
+    tls = sorted(k for k in os.environ if k.startswith("PAGEDSERVE_TLS_"))
+    if tls:  # the children would read them, and up's health checks speak plaintext
+        raise SystemExit(
+            f"pagedserve: `up` serves its local ports in plaintext (with a gRPC token); unset "
+            f"{', '.join(tls)}, or run the components one by one for TLS"
+        )
+
     return run_cluster(a, _model_dir(a.model))
 
 
 def cmd_healthcheck(a: argparse.Namespace) -> int:
     from pagedserve.cluster import grpc_serving, http_ok
 
-    ok = grpc_serving(a.grpc, a.timeout) if a.grpc else http_ok(a.http, a.timeout)
+    if a.grpc:
+        ok = grpc_serving(a.grpc, a.timeout, _grpc_security(a))
+    else:
+        ok = http_ok(a.http, a.timeout)
     return 0 if ok else 1
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from pagedserve.client import generate_main
 
-    return generate_main(a)
+    return generate_main(a, _grpc_security(a, a.control_plane))
 
 
 def cmd_stats(a: argparse.Namespace) -> int:
     from pagedserve.client import stats_main
 
-    return stats_main(a)
+    return stats_main(a, _grpc_security(a, a.control_plane))
 
 
 # -- parser -------------------------------------------------------------------------------------
@@ -250,9 +293,11 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _flag(
         p,
         "--max-waiting",
-        type=int,
-        default=1024,
-        help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
+        type=_count_or_auto,
+        default="auto",
+        help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED (HTTP 429); auto: "
+        "as many as the healthy workers' KV pools hold at once at the request's full length, "
+        "at most --max-num-seqs each",
     )
     _flag(p, "--redis-url", default=None, help="Redis for the prefix-hash index")
     _flag(p, "--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks")
@@ -269,10 +314,23 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds a silent worker has before its requests move to another worker",
     )
+    _flag(
+        p,
+        "--worker-connect-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait at startup for the first listed worker to answer before exiting "
+        "(0: no limit); the others join whenever they answer",
+    )
 
 
 def _gateway_flags(p: argparse.ArgumentParser) -> None:
-    _flag(p, "--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
+    _flag(
+        p,
+        "--api-key",
+        default=None,
+        help="require Authorization: Bearer KEY on /v1/*, /tokenize, /detokenize",
+    )
     _flag(p, "--served-model-name", default=None, help="the model name clients use")
     _flag(
         p,
@@ -290,13 +348,68 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _grpc_security_flags(p: argparse.ArgumentParser, tls: bool = True) -> None:
+    _flag(
+        p,
+        "--grpc-token",
+        default=None,
+        help="shared secret of the internal gRPC services: servers require it and clients send "
+        "it as `authorization: Bearer TOKEN` (give it by the environment variable: argv shows "
+        "in `ps`)",
+    )
+    if not tls:
+        return
+    _flag(
+        p,
+        "--tls-cert-file",
+        default=None,
+        help="PEM certificate (chain) a gRPC server serves, and a client presents to an mTLS "
+        "server; with --tls-key-file",
+    )
+    _flag(p, "--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    _flag(
+        p,
+        "--tls-ca-file",
+        default=None,
+        help="PEM CA bundle: a gRPC server requires client certificates it signed (mTLS); a "
+        "client speaks TLS and verifies the server against it",
+    )
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--control-plane", default="127.0.0.1:50051", help="HOST:PORT")
     _flag(p, "--json", action="store_true", help="print JSON")
+    _grpc_security_flags(p)
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless it has none to show (None, False,
+    an empty list) or already says it."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and not any(default is x for x in (None, False, argparse.SUPPRESS))
+            and default != []
+            and "default" not in text
+        ):
+            action = copy.copy(action)
+            action.help = f"{text} (default: %(default)s)".strip()
+        return super()._format_action(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Shows defaults in --help; its subcommands' parsers are _Parsers too."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser = _Parser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="checkpoint utilities")
@@ -318,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(w, "--port", type=int, default=50061)
     _flag(w, "--served-model-name", default=None)
     _worker_flags(w)
+    _grpc_security_flags(w)
     w.set_defaults(func=cmd_worker)
 
     cp = sub.add_parser("control-plane", help="run the control plane")
@@ -327,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(cp, "--tokenizer", default=None, help="tokenizer dir (default: the worker's model)")
     _flag(cp, "--served-model-name", default=None)
     _scheduler_flags(cp)
+    _grpc_security_flags(cp)
     cp.set_defaults(func=cmd_control_plane)
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -334,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(gw, "--port", type=int, default=8000)
     _flag(gw, "--control-plane", default="127.0.0.1:50051", help="HOST:PORT")
     _gateway_flags(gw)
+    _grpc_security_flags(gw)
     gw.set_defaults(func=cmd_gateway)
 
     up = sub.add_parser(
@@ -361,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_flags(up)
     _scheduler_flags(up)
     _gateway_flags(up)
+    # A fresh random token by default; no TLS flags: `up` serves its local ports in plaintext.
+    _grpc_security_flags(up, tls=False)
     up.set_defaults(func=cmd_up)
 
     hc = sub.add_parser("healthcheck", help="exit 0 when a server is healthy (for probes)")
@@ -368,6 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--grpc", metavar="HOST:PORT", help="grpc.health.v1 reports SERVING")
     target.add_argument("--http", metavar="URL", help="GET URL answers 2xx")
     hc.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    _grpc_security_flags(hc)  # health needs no token, but TLS / mTLS apply
     hc.set_defaults(func=cmd_healthcheck)
 
     gen = sub.add_parser("generate", help="generate from a prompt through the control plane")

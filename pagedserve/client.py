@@ -5,17 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
+from pagedserve.grpc_security import INSECURE, GrpcSecurity, channel
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 from protos.v1 import control_plane_pb2_grpc as pb_grpc
 
 
-def _stub(address: str) -> pb_grpc.ControlPlaneStub:
-    return pb_grpc.ControlPlaneStub(grpc.insecure_channel(address))
+def _stub(address: str, security: GrpcSecurity) -> pb_grpc.ControlPlaneStub:
+    return pb_grpc.ControlPlaneStub(channel(address, security))
 
 
 def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
@@ -41,9 +44,23 @@ def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
     return req
 
 
-def generate_main(a: argparse.Namespace) -> int:
+def message_to_dict(msg: Message) -> dict[str, Any]:
+    """Every field of msg, zeros included, with numbers as numbers: unlike MessageToDict,
+    which leaves zeros out and writes 64-bit integers as strings."""
+    out: dict[str, Any] = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.message_type is not None:
+            value = [message_to_dict(v) for v in value] if f.is_repeated else message_to_dict(value)
+        elif f.is_repeated:
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def generate_main(a: argparse.Namespace, security: GrpcSecurity = INSECURE) -> int:
     try:
-        for msg in _stub(a.control_plane).Generate(build_request(a)):
+        for msg in _stub(a.control_plane, security).Generate(build_request(a)):
             if a.json:
                 print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True)))
             else:
@@ -60,15 +77,13 @@ def generate_main(a: argparse.Namespace) -> int:
     return 0
 
 
-def stats_main(a: argparse.Namespace) -> int:
+def stats_main(a: argparse.Namespace, security: GrpcSecurity = INSECURE) -> int:
     try:
-        stats = _stub(a.control_plane).Stats(pb.StatsRequest(), timeout=10)
+        stats = _stub(a.control_plane, security).Stats(pb.StatsRequest(), timeout=10)
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    d = MessageToDict(
-        stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    d = message_to_dict(stats)
     if a.json:
         print(json.dumps(d, indent=2))
         return 0

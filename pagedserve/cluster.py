@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,16 +30,32 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve import grpc_security
+from pagedserve.grpc_security import INSECURE, GrpcSecurity
+
 READY_TIMEOUT_S = 300.0
 DEFAULT_HTTP_PORT = 8000
+# A worker that exits is started again after these waits, one per exit in a row; one that ran
+# STABLE_AFTER_S before exiting starts from the first wait again.
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STABLE_AFTER_S = 60.0
 
 
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
+        self.argv = argv
+        self.env = env
+        self.failures = 0  # exits in a row, each within STABLE_AFTER_S of its start
+        self.restart_at: float | None = None  # when an exited restartable child starts again
+        self._start()
+
+    def _start(self) -> None:
+        self.started = time.monotonic()
         # Through child_exec, which makes the child die with this process: nothing runs
         # between fork and exec here (this process has gRPC's threads by then).
         guard = [sys.executable, "-m", "pagedserve.child_exec", str(os.getpid())]
+        argv, env = self.argv, self.env
         self.proc = subprocess.Popen(
             [*guard, *argv],
             stdout=subprocess.PIPE,
@@ -48,14 +65,38 @@ class Child:
             bufsize=1,
             start_new_session=True,
         )
-        self._pump = threading.Thread(target=self._prefix, daemon=True)
+        self._pump = threading.Thread(target=self._prefix, args=(self.proc,), daemon=True)
         self._pump.start()
 
-    def _prefix(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+    def _prefix(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             sys.stdout.write(f"{self.name:>14s} | {line}")
             sys.stdout.flush()
+
+    def supervise(self, now: float) -> None:
+        """Restarts this child after it exited, each time after a longer back-off (reset once
+        it has run STABLE_AFTER_S); logs both."""
+        code = self.proc.poll()
+        if code is None:
+            return
+        if self.restart_at is None:
+            if now - self.started >= STABLE_AFTER_S:
+                self.failures = 0
+            delay = RESTART_BACKOFF_S[min(self.failures, len(RESTART_BACKOFF_S) - 1)]
+            self.failures += 1
+            self.restart_at = now + delay
+            print(
+                f"{self.name} exited with code {code}: restarting it in {delay:.0f} s "
+                "(its requests go on on the other workers)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif now >= self.restart_at:
+            self.restart_at = None
+            self._pump.join(timeout=2)
+            self._start()
+            print(f"{self.name} restarted (pid {self.proc.pid})", file=sys.stderr, flush=True)
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -75,9 +116,9 @@ class Child:
 # -- health checks (also `pagedserve healthcheck`) ------------------------------------------------
 
 
-def grpc_serving(address: str, timeout: float = 1.0) -> bool:
+def grpc_serving(address: str, timeout: float = 1.0, security: GrpcSecurity = INSECURE) -> bool:
     """The standard grpc.health.v1 service at address reports SERVING."""
-    with grpc.insecure_channel(address) as channel:
+    with grpc_security.channel(address, security) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout
@@ -172,6 +213,7 @@ SCHEDULER_FLAGS = [
     "no-prefix-caching",
     "no-async-scheduling",
     "worker-failover-timeout",
+    "worker-connect-timeout",
 ]
 GATEWAY_FLAGS = ["max-request-bytes", "graceful-shutdown-timeout"]
 
@@ -234,6 +276,11 @@ def run_until_signalled(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
 def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
     env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": os.environ.get("PAGEDSERVE_LOG_FORMAT", "json")}
+    # One gRPC token for the cluster, the given one or a fresh one, so that the local ports
+    # refuse whoever else can reach them; children get it by the environment (argv shows in
+    # `ps`), and `pagedserve generate` / `stats` find it where save_token leaves it.
+    env["PAGEDSERVE_GRPC_TOKEN"] = a.grpc_token or secrets.token_urlsafe(32)
+    grpc_security.save_token(f"{a.host}:{a.grpc_port}", env["PAGEDSERVE_GRPC_TOKEN"])
     py = [sys.executable, "-m", "pagedserve.cli"]
     children: list[Child] = []
 
@@ -283,11 +330,19 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
             f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' {example}",
             flush=True,
         )
-        while all(c.proc.poll() is None for c in children):
+        # Workers are restarted when they exit (the control plane moves their requests and
+        # takes them back when they answer); Redis, the control plane or the gateway exiting
+        # stops the cluster.
+        while True:
             time.sleep(0.5)
-        dead = [c.name for c in children if c.proc.poll() is not None]
-        print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
-        return 1
+            now = time.monotonic()
+            for worker in workers:
+                worker.supervise(now)
+            dead = [c for c in children if c not in workers and c.proc.poll() is not None]
+            if dead:
+                exits = ", ".join(f"{c.name} (code {c.proc.returncode})" for c in dead)
+                print(f"stopping: {exits} exited", file=sys.stderr)
+                return 1
     except KeyboardInterrupt:
         print("stopping (draining in-flight requests)", flush=True)
         return 0

@@ -25,6 +25,7 @@ class SamplingParams:
     chosen token's log-probability (0 means just the chosen token). n > 1 asks for n
     completions of one prompt (parallel sampling): the control plane forks the request into n
     children with n == 1 and their own seeds, so a worker only ever sees n == 1.
+    include_stop_str_in_output keeps a matched stop string at the end of the text.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -43,6 +44,7 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:

@@ -41,6 +41,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.n = p.n
     if not p.skip_special_tokens:
         msg.skip_special_tokens = False
+    msg.include_stop_str_in_output = p.include_stop_str_in_output
     return msg
 
 
@@ -77,6 +78,7 @@ def sampling_from_proto(
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
         **kwargs,  # type: ignore[arg-type]
     )
 

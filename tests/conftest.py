@@ -58,8 +58,8 @@ def port() -> int:
 def _spawner() -> Iterator[Callable[..., ServerProcess]]:
     procs: list[ServerProcess] = []
 
-    def start(name: str, *args: str, ready_address: str) -> ServerProcess:
-        p = ServerProcess(name, list(args), ready_address)
+    def start(name: str, *args: str, ready_address: str, **kw: Any) -> ServerProcess:
+        p = ServerProcess(name, list(args), ready_address, **kw)
         procs.append(p)
         p.wait_ready()
         return p

@@ -10,6 +10,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,8 +24,10 @@ API_KEY = "test-key"
 class HttpProcess(ServerProcess):
     """A `pagedserve` HTTP server: ready once GET /health answers at all (200 or 503)."""
 
-    def __init__(self, name: str, args: list[str], url: str) -> None:
-        super().__init__(name, args, ready_address=url)
+    def __init__(
+        self, name: str, args: list[str], url: str, env: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(name, args, ready_address=url, env=env)
         self.url = url
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -81,17 +84,19 @@ class Processes:
     def __init__(self) -> None:
         self.stoppers: list[ServerProcess | RedisServer] = []
 
-    def spawn(self, name: str, *args: str, ready_address: str) -> ServerProcess:
+    def spawn(self, name: str, *args: str, ready_address: str, **kw: Any) -> ServerProcess:
         """Same signature as the `spawn` fixture, so it works with tests.stack.start_stack."""
-        p = ServerProcess(name, list(args), ready_address)
+        p = ServerProcess(name, list(args), ready_address, **kw)
         self.stoppers.append(p)
         p.wait_ready()
         return p
 
-    def gateway(self, control_plane: str, *args: str) -> HttpProcess:
+    def gateway(
+        self, control_plane: str, *args: str, env: dict[str, str] | None = None
+    ) -> HttpProcess:
         port = free_port()
         argv = ["gateway", "--port", str(port), "--control-plane", control_plane, *args]
-        p = HttpProcess("gateway", argv, f"http://127.0.0.1:{port}")
+        p = HttpProcess("gateway", argv, f"http://127.0.0.1:{port}", env)
         self.stoppers.append(p)
         p.wait_ready()
         return p

@@ -13,6 +13,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve import grpc_security
+from pagedserve.grpc_security import INSECURE, GrpcSecurity
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,11 +24,22 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, name: str, args: list[str], ready_address: str) -> None:
+    """`env` is added to the process's environment; `security` is what its health check needs
+    (TLS: the token is not needed for health)."""
+
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        ready_address: str,
+        env: dict[str, str] | None = None,
+        security: GrpcSecurity = INSECURE,
+    ) -> None:
         self.name = name
         self.address = ready_address
+        self.security = security
         self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-        env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.cli", *args],
             stdout=self.log,
@@ -39,7 +53,7 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc_security.channel(self.address, self.security) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

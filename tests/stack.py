@@ -11,6 +11,8 @@ import grpc
 
 from gpu_worker.checkpoint import load_config
 from gpu_worker.kv_cache import CacheGeometry
+from pagedserve import grpc_security
+from pagedserve.grpc_security import INSECURE, GrpcSecurity
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 from protos.v1 import control_plane_pb2_grpc as pb_grpc
@@ -38,11 +40,12 @@ class Stack:
     address: str
     workers: list[ServerProcess]
     control_plane: ServerProcess
+    security: GrpcSecurity = INSECURE  # what the stub sends
     channel: grpc.Channel = field(init=False)
     stub: pb_grpc.ControlPlaneStub = field(init=False)
 
     def __post_init__(self) -> None:
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = grpc_security.channel(self.address, self.security)
         self.stub = pb_grpc.ControlPlaneStub(self.channel)
 
     @property
@@ -77,13 +80,16 @@ def start_stack(
     redis_url: str | None = None,
     worker_args: tuple[str, ...] = (),
     cp_args: tuple[str, ...] = (),
+    token: str | None = None,
 ) -> Stack:
+    """With a token, every process requires it (PAGEDSERVE_GRPC_TOKEN) and the stub sends it."""
+    env = {"PAGEDSERVE_GRPC_TOKEN": token} if token else None
     workers = []
     for i in range(num_workers):
         wport = free_port()
         args = worker_cli_args(model_dir, wport, num_gpu_blocks, num_cpu_blocks, dtype)
         workers.append(
-            spawn(f"worker-{i}", *args, *worker_args, ready_address=f"127.0.0.1:{wport}")
+            spawn(f"worker-{i}", *args, *worker_args, ready_address=f"127.0.0.1:{wport}", env=env)
         )
     cport = free_port()
     redis_args = ("--redis-url", redis_url) if redis_url else ()
@@ -97,8 +103,9 @@ def start_stack(
         *redis_args,
         *cp_args,
         ready_address=f"127.0.0.1:{cport}",
+        env=env,
     )
-    return Stack(f"127.0.0.1:{cport}", workers, cp)
+    return Stack(f"127.0.0.1:{cport}", workers, cp, GrpcSecurity(token=token))
 
 
 @dataclass

@@ -3,12 +3,14 @@ stats examples; flags read from the environment; `model init`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,33 @@ def test_flags_read_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (a.max_num_seqs, a.workers, a.preemption) == (7, "h:1,h:2", "swap")
     a = build_parser().parse_args(["control-plane", "--max-num-seqs", "9"])
     assert a.max_num_seqs == 9
+
+
+def _parsers(
+    parser: argparse.ArgumentParser, name: str = "pagedserve"
+) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_help_shows_defaults_and_env_hints() -> None:
+    parsers = dict(_parsers(build_parser()))
+    assert {"pagedserve up", "pagedserve gateway", "pagedserve model init"} <= set(parsers)
+    for name, p in parsers.items():
+        text = " ".join(p.format_help().split())
+        for action in p._actions:
+            default, help_text = action.default, action.help or ""
+            if not action.option_strings or "default" in help_text or default == []:
+                continue
+            if any(default is x for x in (None, False, argparse.SUPPRESS)):
+                continue
+            assert f"(default: {default})" in text, (name, action.option_strings)
+    gateway = " ".join(parsers["pagedserve gateway"].format_help().split())
+    assert "--port PORT [env PAGEDSERVE_PORT] (default: 8000)" in gateway
+    assert "(default: 0.0)" in " ".join(parsers["pagedserve generate"].format_help().split())
 
 
 def test_parse_bytes() -> None:

@@ -91,8 +91,10 @@ def test_dockerfile_targets_and_entrypoint() -> None:
 
 
 def _interpolate(value: Any) -> Any:
-    """Compose's ${VAR:-default} with nothing set: the default."""
+    """Compose's ${VAR:-default} with nothing set: the default; ${VAR:?error} (required): a
+    stand-in value."""
     if isinstance(value, str):
+        value = re.sub(r"\$\{([A-Z_]+):\?[^}]*\}", r"required-\1", value)
         return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
     if isinstance(value, list):
         return [_interpolate(v) for v in value]
@@ -146,6 +148,19 @@ def test_compose_services_commands_and_health(
     assert re.fullmatch(r"redis://redis:6379/\d+", cp.redis_url)
     assert parsed["gateway"].control_plane == f"control-plane:{cp.port}"
     assert parsed["gpu-worker"].device == "cuda" and parsed["cpu-worker"].device == "cpu"
+
+
+def test_compose_passes_a_required_grpc_token_to_every_pagedserve_service() -> None:
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = {n: s for n, s in raw["services"].items() if s["image"].startswith("pagedserve")}
+    assert {"gpu-worker", "cpu-worker", "control-plane", "gateway"} <= set(services)
+    for name, svc in services.items():
+        token = svc["environment"]["PAGEDSERVE_GRPC_TOKEN"]
+        # Required (no default): compose refuses to start without it.
+        assert re.fullmatch(r"\$\{PAGEDSERVE_GRPC_TOKEN:\?[^}]+\}", token), name
+    # The .env that holds it stays out of git and of the image's build context.
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    assert ".env" in (ROOT / ".dockerignore").read_text().split()
 
 
 def test_compose_gpu_and_cpu_profiles(compose: dict[str, Any]) -> None:
@@ -236,6 +251,70 @@ def test_k8s_containers_flags_ports_and_probes(
     redis = re.fullmatch(r"redis://([\w-]+):(\d+)/\d+", parsed["control-plane"].redis_url)
     assert redis is not None
     assert services[redis[1]]["spec"]["ports"][0]["port"] == int(redis[2])
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) == {"matchLabels"}, "only matchLabels selectors are checked here"
+    return bool(selector["matchLabels"].items() <= labels.items())
+
+
+def test_k8s_network_policies_let_in_only_the_next_hop_up(
+    manifests: list[dict[str, Any]],
+) -> None:
+    """Control plane <- gateways only, workers <- control plane only, Redis <- control plane
+    only, each on its container port; the gateway (the public edge) keeps open ingress."""
+    workloads = {**_by_kind(manifests, "Deployment"), **_by_kind(manifests, "StatefulSet")}
+    pods = {n: w["spec"]["template"]["metadata"]["labels"] for n, w in workloads.items()}
+    ports = {
+        n: {p["containerPort"] for c in w["spec"]["template"]["spec"]["containers"]
+            for p in c["ports"]}
+        for n, w in workloads.items()
+    }  # fmt: skip
+    allowed = {
+        "pagedserve-control-plane": "pagedserve-gateway",
+        "pagedserve-worker": "pagedserve-control-plane",
+        "pagedserve-redis": "pagedserve-control-plane",
+    }
+    policies = _by_kind(manifests, "NetworkPolicy")
+    guarded: dict[str, str] = {}
+    for name, policy in policies.items():
+        assert policy["apiVersion"] == "networking.k8s.io/v1"
+        spec = policy["spec"]
+        assert "Ingress" in spec["policyTypes"], name
+        [target] = [n for n, labels in pods.items() if _selects(spec["podSelector"], labels)]
+        [rule] = spec["ingress"]
+        sources = {
+            n for peer in rule["from"] for n, labels in pods.items()
+            if set(peer) == {"podSelector"} and _selects(peer["podSelector"], labels)
+        }  # fmt: skip
+        assert len(sources) == len(rule["from"]) == 1, f"{name}: only pod selectors, one each"
+        [source] = sources
+        assert {p["port"] for p in rule["ports"]} == ports[target], name
+        assert all(p["protocol"] == "TCP" for p in rule["ports"])
+        guarded[target] = source
+    assert guarded == allowed
+    assert not any(_selects(p["spec"]["podSelector"], pods["pagedserve-gateway"])
+                   for p in policies.values())  # fmt: skip
+
+
+def test_k8s_pods_get_the_grpc_token_from_one_required_secret(
+    manifests: list[dict[str, Any]],
+) -> None:
+    workloads = {**_by_kind(manifests, "Deployment"), **_by_kind(manifests, "StatefulSet")}
+    refs = {}
+    for name, w in workloads.items():
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            if not c["image"].startswith("pagedserve"):
+                continue
+            [var] = [v for v in c.get("env", []) if v["name"] == "PAGEDSERVE_GRPC_TOKEN"]
+            ref = var["valueFrom"]["secretKeyRef"]
+            assert not ref.get("optional", False), f"{name}: the token must not be optional"
+            refs[c["args"][0]] = (ref["name"], ref["key"])
+    assert set(refs) == {"worker", "control-plane", "gateway"}
+    [(secret, key)] = set(refs.values())
+    # The README says how to create it.
+    readme = (K8S / "README.md").read_text()
+    assert f"kubectl create secret generic {secret} --from-literal={key}=" in readme
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")

@@ -67,7 +67,7 @@ CASES = [
     Case("negative seed", 400, completion(seed=-1), param="seed"),
     Case("min_tokens > max_tokens", 400, completion(min_tokens=9), param="min_tokens"),
     Case("stream_options without stream", 400, completion(stream_options={"include_usage": True})),
-    Case("echo", 400, completion(echo=True), param="echo"),
+    Case("echo with logprobs", 400, completion(echo=True, logprobs=1), param="echo"),
     Case("best_of != n", 400, completion(best_of=3), param="best_of"),
     Case("stream as string", 400, completion(stream="yes"), param="stream"),
     Case("unknown model", 404, completion(model="gpt-5")),

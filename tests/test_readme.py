@@ -64,9 +64,11 @@ def contains(actual: Any, expected: Any, path: str = "") -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """`pagedserve up` with no --model, as `make up` runs it; the ports it serves on."""
     ports = {"http": str(free_port()), "grpc": str(free_port())}
+    # Shared with the examples: `pagedserve generate` finds up's gRPC token under it.
+    ports["cache_dir"] = str(tmp_path_factory.mktemp("cache"))
     env = {
         **os.environ,
-        "PAGEDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+        "PAGEDSERVE_CACHE_DIR": ports["cache_dir"],
         "OMP_NUM_THREADS": "1",
     }
     argv = [
@@ -108,7 +110,8 @@ def _run(example: Example, ports: dict[str, str], tmp_path: Path) -> str:
         argv = [sys.executable, str(script)]
     else:
         argv = ["bash", "-c", code]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": ports["cache_dir"]}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout
 

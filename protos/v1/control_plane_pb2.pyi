@@ -60,7 +60,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., output_kind: _Optional[_Union[OutputKind, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "stop_reason", "index", "time_to_first_token_s")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "stop_reason", "index", "time_to_first_token_s", "stop_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class GenerateResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -81,7 +82,46 @@ class GenerateResponse(_message.Message):
     stop_reason: str
     index: int
     time_to_first_token_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ..., index: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ...) -> None: ...
+    stop_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ..., index: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "text", "chat", "add_special_tokens", "return_token_strs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    text: str
+    chat: ChatPrompt
+    add_special_tokens: bool
+    return_token_strs: bool
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "max_model_len", "token_strs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_model_len: int
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("model", "token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

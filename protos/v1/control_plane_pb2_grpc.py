@@ -54,6 +54,16 @@ class ControlPlaneStub:
                 request_serializer=protos_dot_v1_dot_control__plane__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_control__plane__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pagedserve.v1.ControlPlane/Tokenize',
+                request_serializer=protos_dot_v1_dot_control__plane__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_control__plane__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pagedserve.v1.ControlPlane/Detokenize',
+                request_serializer=protos_dot_v1_dot_control__plane__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_control__plane__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -87,6 +97,21 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The prompt's token ids exactly as Generate would see them (text or chat template).
+        INVALID_ARGUMENT: no prompt; NOT_FOUND: another model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, special tokens included. INVALID_ARGUMENT: an id past the vocabulary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +134,16 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_v1_dot_control__plane__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_v1_dot_control__plane__pb2.StatsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_v1_dot_control__plane__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_control__plane__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_v1_dot_control__plane__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_control__plane__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +254,60 @@ class ControlPlane:
             '/pagedserve.v1.ControlPlane/Stats',
             protos_dot_v1_dot_control__plane__pb2.StatsRequest.SerializeToString,
             protos_dot_v1_dot_control__plane__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.ControlPlane/Tokenize',
+            protos_dot_v1_dot_control__plane__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_v1_dot_control__plane__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.ControlPlane/Detokenize',
+            protos_dot_v1_dot_control__plane__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_v1_dot_control__plane__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,167 @@
+"""The 200 responses' shapes, for the OpenAPI schema and for the routes that build them.
+
+The generation routes build their bodies as plain dicts (`gateway.responses`, one code path for
+whole and streamed answers); the models here describe those bodies and are checked against them
+in the tests. Fields beyond OpenAI's (`stop_reason`, `max_model_len`, `root`) are vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+StopReason = int | str | None  # a stop token id, a stop string, or null (EOS, length)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: StopReason = Field(
+        description="The stop token id (an integer) or stop string that ended the completion; "
+        "null when it ended at EOS or length"
+    )
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion; the usage event has no choices."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: StopReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: StopReason = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion; the usage event has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time at which the gateway started serving it")
+    owned_by: str = "pagedserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok"]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+def sse_response(chunk: type[BaseModel]) -> dict[str, object]:
+    """An OpenAPI 200 whose body is JSON, or with `"stream": true` server-sent events."""
+    return {
+        "description": "The whole answer; with `stream: true`, server-sent events instead",
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "string",
+                    "description": f"`data: <{chunk.__name__} as JSON>` events, the last one "
+                    "`data: [DONE]`",
+                }
+            }
+        },
+    }

@@ -1,0 +1,136 @@
+"""Admission that protects everyone else: prompts longer than any context are refused before
+they are tokenized, tokenization never holds the event loop, and the waiting queue is bounded by
+default (429 with Retry-After)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from control_plane.tokenizer import load_tokenizer
+from protos.v1 import control_plane_pb2 as pb
+from tests.gateway_stack import HttpProcess
+from tests.procs import ServerProcess, free_port
+from tests.stack import request, start_stack
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_tokenizing_a_long_text_leaves_other_threads_running(micro_llama: Path) -> None:
+    tok = load_tokenizer(micro_llama)
+    text = "hello world, this is a test. " * 12_000  # ~350k characters, ~0.3 s
+    ticks = 0
+    done = threading.Event()
+
+    def tick() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks += 1
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.monotonic()
+    ids = tok.encode(text)
+    took = time.monotonic() - start
+    done.set()
+    ticker.join()
+    assert len(ids) > 10_000
+    # A tokenizer holding the GIL lets the ticker run about twice in the whole call.
+    assert ticks >= min(20, took * 100), (ticks, took)
+
+
+def test_overlong_prompts_are_refused_at_once_and_stall_no_stream(
+    spawn: Callable[..., ServerProcess], micro_llama: Path
+) -> None:
+    stack = start_stack(spawn, micro_llama)
+    huge = "a" * 4_000_000
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.stub.Generate(pb.GenerateRequest(text=huge), timeout=30))
+    assert time.monotonic() - start < 1.0
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "4000000 characters" in err.value.details()
+    chat = pb.GenerateRequest(
+        chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=huge)])
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.stub.Generate(chat, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    # A victim streams while another client sends a dozen 1,000,000-character prompts.
+    rss_before = rss_bytes(stack.control_plane.proc.pid)
+    gaps: list[float] = []
+    victim = request([5, 6, 7], max_tokens=1500, temperature=0.0, ignore_eos=True)
+
+    def stream() -> None:
+        last = time.monotonic()
+        for _ in stack.stub.Generate(victim, timeout=120):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    def flood() -> None:
+        for _ in range(12):
+            with pytest.raises(grpc.RpcError):
+                list(stack.stub.Generate(pb.GenerateRequest(text="b" * 1_000_000), timeout=30))
+
+    with ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(stream)
+        while not gaps:
+            time.sleep(0.01)
+        pool.submit(flood).result(timeout=60)
+        streaming.result(timeout=120)
+    assert max(gaps[1:]) < 0.75, max(gaps[1:])
+    grown = rss_bytes(stack.control_plane.proc.pid) - rss_before
+    assert grown < 150 << 20, f"control plane grew {grown >> 20} MiB"
+
+
+def test_default_queue_bound_answers_429_with_retry_after(
+    spawn: Callable[..., ServerProcess], micro_llama: Path
+) -> None:
+    # 8 blocks of 16 tokens: at their full length (prompt + max_tokens) one request fits the
+    # pool at a time, so by default one may wait; the rest are told at once to come back.
+    stack = start_stack(spawn, micro_llama, num_gpu_blocks=8, num_cpu_blocks=8)
+    url = f"http://127.0.0.1:{free_port()}"
+    gw = HttpProcess(
+        "gateway",
+        ["gateway", "--port", url.rsplit(":", 1)[1], "--control-plane", stack.address],
+        url,
+    )
+    try:
+        gw.wait_ready()
+        body = {"prompt": [5] * 20, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+
+        def post(_: int) -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(16) as pool:
+            responses = list(pool.map(post, range(16)))
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) == {200, 429}, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert int(r.headers["retry-after"]) >= 1
+                error = r.json()["error"]
+                assert (
+                    "waiting queue is full" in error["message"]
+                    and "--max-waiting" in error["message"]
+                )
+            else:
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        gw.stop()
