@@ -158,7 +158,8 @@ class BlockManager:
     def find_cached_prefix(self, req: Request) -> PrefixHit:
         """The longest run of cached blocks equal to the request's leading full blocks, capped
         so that its last token is left to compute. Changes nothing but req.block_hashes."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
+            # Prompt logprobs come from computing the prompt: a hit would skip them.
             return PrefixHit(num_query_tokens=req.num_tokens)
         bs = self.block_size
         req.extend_block_hashes(bs)

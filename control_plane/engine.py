@@ -8,6 +8,7 @@ adds a request and sets the wake-up event; an abort frees the request's blocks a
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConf
 from control_plane.tokenizer import LoadedTokenizer
 from control_plane.worker_client import Probe, WorkerClient, WorkerError
 from pagedserve.log import get_logger
-from pagedserve.plan import SampledToken, StepPlan
+from pagedserve.plan import PromptLogprobRun, SampledToken, StepPlan
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2
 
@@ -61,6 +62,8 @@ class OutputChunk:
     index: int = 0  # which of the request's n completions
     last: bool = False  # nothing follows for this client request
     time_to_first_token_s: float | None = None  # set on a completion's final chunk
+    # On the request's first chunk, when asked: prompt tokens 1.. with their logprobs.
+    prompt_logprobs: list[SampledToken] | None = None
 
     @property
     def ends_completion(self) -> bool:
@@ -86,6 +89,8 @@ class OutputChunk:
         self.index = later.index
         self.last = later.last
         self.time_to_first_token_s = later.time_to_first_token_s
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
         return self
 
 
@@ -121,6 +126,8 @@ class RequestStream:
     finished: bool = False
     first_token_time: float | None = None
     finished_indexes: set[int] = field(default_factory=set)  # completions that ended
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)  # tokens 1.. of the prompt
+    prompt_logprobs_sent: bool = False
     _held: dict[int, OutputChunk] = field(default_factory=dict)
 
     def emit(self, chunk: OutputChunk) -> None:
@@ -420,6 +427,8 @@ class EngineLoop:
         self._last_answer = time.monotonic()
         self._in_flight.popleft()
         self.counters.num_steps += 1
+        if result.prompt_logprobs:
+            self._collect_prompt_logprobs(result.prompt_logprobs)
         deltas = self.scheduler.update(plan, result)
         self._cache_events += self.scheduler.block_manager.drain_events()
         self._publish(deltas)
@@ -440,6 +449,20 @@ class EngineLoop:
         await self.client.send(plan)
         self._in_flight.append(plan)
         return True
+
+    def _collect_prompt_logprobs(self, runs: dict[str, PromptLogprobRun]) -> None:
+        """Appends each run to its client request's prompt logprobs. A prompt computed again
+        (after a preemption, or on another worker) repeats positions already held: only what
+        extends them counts."""
+        for req_id, run in runs.items():
+            req = self.scheduler.get_request(req_id)
+            stream = self.streams.get(req.parent_id or req_id) if req is not None else None
+            if stream is None:
+                continue
+            held = stream.prompt_logprobs
+            skip = len(held) - (run.start - 1)
+            if 0 <= skip < len(run.logprobs):
+                held.extend(run.logprobs[skip:])
 
     def _publish(self, deltas: list[RequestOutputDelta]) -> None:
         now = time.monotonic()
@@ -474,6 +497,11 @@ class EngineLoop:
                 stop_reason=stop_reason,
                 index=d.index,
             )
+            if r.sampling.prompt_logprobs is not None and not stream.prompt_logprobs_sent:
+                # The first prompt token has nothing before it: NaN, as "no logprob".
+                first = SampledToken(r.prompt_token_ids[0], math.nan, rank=0)
+                chunk.prompt_logprobs = [first, *stream.prompt_logprobs]
+                stream.prompt_logprobs_sent = True
             chunks.append((client_id, stream, chunk))
         # A client's call ends with its last chunk of this step once none of its completions
         # is live: decided after every delta, since a stop string can end a completion after

@@ -28,10 +28,11 @@ from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
 from control_plane.worker_client import WorkerClient, WorkerError
 from pagedserve import grpc_security, wire
 from pagedserve.log import get_logger
+from pagedserve.plan import SampledToken
 from pagedserve.sampling_params import InvalidRequestError, SamplingParams
+from protos.v1 import common_pb2, worker_pb2
 from protos.v1 import control_plane_pb2 as pb
 from protos.v1 import control_plane_pb2_grpc as pb_grpc
-from protos.v1 import worker_pb2
 
 log = get_logger(__name__)
 
@@ -567,14 +568,20 @@ def _chunk_to_proto(
         msg.stop_token_id = chunk.stop_reason
     if chunk.time_to_first_token_s is not None:
         msg.time_to_first_token_s = chunk.time_to_first_token_s
-    for sampled in chunk.logprobs:
-        lp = wire.logprobs_to_proto(sampled)
-        if lp is not None:
-            if tok is not None:
-                lp.token = tok.token_text(sampled.token_id)
-                lp.top_tokens.extend(tok.token_text(t) for t in sampled.top_token_ids)
-            msg.logprobs.append(lp)
+    msg.logprobs.extend(_logprobs(t, tok) for t in chunk.logprobs if t.logprob is not None)
+    if chunk.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprobs(t, tok, True) for t in chunk.prompt_logprobs)
     return msg
+
+
+def _logprobs(
+    sampled: SampledToken, tok: LoadedTokenizer | None, with_id: bool = False
+) -> common_pb2.TokenLogprobs:
+    lp = wire.logprobs_to_proto(sampled, with_id)
+    if tok is not None:
+        lp.token = tok.token_text(sampled.token_id)
+        lp.top_tokens.extend(tok.token_text(t) for t in sampled.top_token_ids)
+    return lp
 
 
 async def serve(config: ControlPlaneConfig) -> None:

@@ -190,6 +190,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rid = request_id_of(request.scope)
         prompts: list[str | list[int]] = list(body.prompts())
         sampling = sampling_proto(body, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs
+            sampling.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         single = len(prompts) == 1
         choices: list[Choice] = []
         echo: dict[int, str] = {}
@@ -205,7 +207,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 text = prompt if isinstance(prompt, str) else await gw.prompt_text(prompt)
                 echo.update(dict.fromkeys(range(i * body.n, (i + 1) * body.n), text))
             choices += expand_choices(base, body.n, i * body.n, rid, single)
-        fmt = CompletionFormat(f"cmpl-{rid}", shown, body.logprobs, echo)
+        fmt = CompletionFormat(
+            f"cmpl-{rid}", shown, body.logprobs, echo, body.n, body.prompt_logprobs
+        )
         return await gw.run(request, body, choices, fmt)
 
     @app.post(
@@ -225,7 +229,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             pb.ChatMessage(role=role, content=content) for role, content in body.message_texts()
         )
         choices = expand_choices(base, body.n, 0, rid, True)
-        fmt = ChatFormat(f"chatcmpl-{rid}", shown, logprobs)
+        fmt = ChatFormat(f"chatcmpl-{rid}", shown, logprobs, body.n, body.prompt_logprobs)
         return await gw.run(request, body, choices, fmt)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)

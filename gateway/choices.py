@@ -74,6 +74,8 @@ def sampling_proto(body: SamplingFields, logprobs: int | None) -> common_pb2.Sam
         msg.top_k = max(body.top_k, 0)  # -1 (off, as vLLM spells it) -> 0
     if logprobs is not None:
         msg.logprobs = logprobs
+    if body.prompt_logprobs is not None:
+        msg.prompt_logprobs = body.prompt_logprobs
     return msg
 
 

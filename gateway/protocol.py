@@ -117,6 +117,8 @@ class SamplingFields(_Body):
     user: Annotated[str, Field(max_length=512)] | None = None
     logit_bias: dict[str, float] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = None
+    # vLLM's: each prompt token's logprob and this many alternatives (not streamed).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
 
     @property
     def stop_list(self) -> list[str]:
@@ -141,6 +143,10 @@ class SamplingFields(_Body):
             )
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request(
+                "prompt_logprobs is not available when stream is true", "prompt_logprobs"
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", "best_of")
 
@@ -169,10 +175,6 @@ class CompletionRequest(SamplingFields):
 
     def check(self) -> None:
         super().check()
-        if self.echo and self.logprobs is not None:
-            raise bad_request(
-                "echo with logprobs needs prompt logprobs, which are not supported", "echo"
-            )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if len(self.prompts()) * self.n > MAX_CHOICES:

@@ -38,12 +38,15 @@ class ChoiceState:
     stop_reason: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
 
     def add(self, ev: ChoiceEvent) -> None:
         m = ev.message
         if m.text:
             self.text.append(m.text)
         self.logprobs.extend(m.logprobs)
+        if m.prompt_logprobs:
+            self.prompt_logprobs = list(m.prompt_logprobs)
         self.prompt_tokens = m.prompt_tokens
         self.completion_tokens = m.completion_tokens
         if m.finish_reason:
@@ -65,22 +68,58 @@ def usage(states: dict[int, ChoiceState], n: int) -> dict[str, int]:
     }
 
 
-def completion_logprobs(lps: list[common_pb2.TokenLogprobs], offset: int = 0) -> dict[str, Any]:
-    tokens, token_logprobs, top, text_offset = [], [], [], []
+def completion_logprobs(
+    lps: list[common_pb2.TokenLogprobs], offset: int = 0, top_k: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's legacy logprobs. A NaN logprob (the first prompt token, echoed) is null, as are
+    its alternatives; top_k cuts the alternatives (prompt tokens may carry more)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     for lp in lps:
         tokens.append(lp.token)
-        token_logprobs.append(_finite(lp.logprob))
-        alternatives = {t: _finite(v) for t, v in zip(lp.top_tokens, lp.top_logprobs, strict=False)}
-        alternatives.setdefault(lp.token, _finite(lp.logprob))
-        top.append(alternatives)
         text_offset.append(offset)
         offset += len(lp.token)
+        if math.isnan(lp.logprob):
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(_finite(lp.logprob))
+        pairs = list(zip(lp.top_tokens, lp.top_logprobs, strict=False))[:top_k]
+        alternatives = {t: _finite(v) for t, v in pairs}
+        alternatives.setdefault(lp.token, _finite(lp.logprob))
+        top.append(alternatives)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
         "text_offset": text_offset,
     }
+
+
+def prompt_logprobs_body(lps: list[common_pb2.TokenLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else the token and its
+    alternatives by token id, each with its logprob, rank and text."""
+    out: list[dict[str, Any] | None] = []
+    for lp in lps:
+        if math.isnan(lp.logprob):
+            out.append(None)
+            continue
+        entry = {
+            str(lp.token_id): {
+                "logprob": _finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.token,
+            }
+        }
+        ranked = zip(lp.top_token_ids, lp.top_logprobs, lp.top_tokens, strict=False)
+        for rank, (token_id, value, text) in enumerate(ranked, start=1):
+            entry.setdefault(
+                str(token_id), {"logprob": _finite(value), "rank": rank, "decoded_token": text}
+            )
+        out.append(entry)
+    return out
 
 
 def _token_entry(token: str, logprob: float) -> dict[str, Any]:
@@ -100,17 +139,40 @@ def chat_logprobs(lps: list[common_pb2.TokenLogprobs], top_k: int) -> dict[str, 
 
 
 class Format:
-    """What both endpoints share: the id, the model, the usage chunk."""
+    """What both endpoints share: the id, the model, the usage chunk, and the prompt logprobs
+    that came on one choice of each prompt's n and belong to all of them."""
 
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, response_id: str, model: str, logprobs: int | None) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        logprobs: int | None,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
+    ) -> None:
         self.id = response_id
         self.model = model
         self.logprobs = logprobs
+        self.n = n
+        self.prompt_logprobs = prompt_logprobs
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
+        self._prompt_lps: dict[int, list[common_pb2.TokenLogprobs]] = {}  # by prompt
+
+    def prompt_lps(self, index: int, m: pb.GenerateResponse | None = None) -> list[Any]:
+        """Choice index's prompt logprobs: those m carries (kept for its siblings), or those a
+        sibling's message carried."""
+        if m is not None and m.prompt_logprobs:
+            self._prompt_lps[index // self.n] = list(m.prompt_logprobs)
+        return self._prompt_lps.get(index // self.n, [])
+
+    def _body_prompt_lps(self, states: dict[int, ChoiceState]) -> None:
+        for i, s in sorted(states.items()):
+            if s.prompt_logprobs:
+                self._prompt_lps[i // self.n] = s.prompt_logprobs
 
     def worth_sending(self, m: pb.GenerateResponse) -> bool:
         """A stream chunk goes out only with something in it: text, the finish, or logprobs the
@@ -152,21 +214,33 @@ class CompletionFormat(Format):
         model: str,
         logprobs: int | None,
         echo: dict[int, str] | None = None,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
     ) -> None:
-        super().__init__(response_id, model, logprobs)
+        super().__init__(response_id, model, logprobs, n, prompt_logprobs)
         self.echo = echo or {}
         self._echo_pending = dict(self.echo)  # streamed with each choice's first chunk
 
+    def _logprobs(self, index: int, generated: list[Any], first: bool) -> dict[str, Any]:
+        """The choice's logprobs from its offset on; echoed, its first part starts with the
+        prompt's tokens."""
+        lps = list(generated)
+        if first and index in self.echo:
+            lps = self.prompt_lps(index) + lps
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + sum(len(lp.token) for lp in lps)
+        return completion_logprobs(lps, offset, self.logprobs)
+
     def chunk(self, ev: ChoiceEvent) -> dict[str, Any] | None:
         m = ev.message
+        self.prompt_lps(ev.index, m)
+        first = ev.index in self._echo_pending
         prefix = self._echo_pending.pop(ev.index, "")
         if not (prefix or self.worth_sending(m)):
             return None
         lps = None
         if self.logprobs is not None:
-            offset = self._offsets.get(ev.index, 0)
-            lps = completion_logprobs(list(m.logprobs), offset)
-            self._offsets[ev.index] = offset + sum(len(lp.token) for lp in m.logprobs)
+            lps = self._logprobs(ev.index, list(m.logprobs), first)
         choice = {
             "index": ev.index,
             "text": prefix + m.text,
@@ -177,16 +251,21 @@ class CompletionFormat(Format):
         return self._envelope(self.chunk_object_name, [choice])
 
     def body(self, states: dict[int, ChoiceState], u: dict[str, int]) -> dict[str, Any]:
-        choices = [
-            {
+        self._body_prompt_lps(states)
+        choices = []
+        for i, s in sorted(states.items()):
+            choice = {
                 "index": i,
                 "text": self.echo.get(i, "") + "".join(s.text),
-                "logprobs": None if self.logprobs is None else completion_logprobs(s.logprobs),
+                "logprobs": None
+                if self.logprobs is None
+                else self._logprobs(i, s.logprobs, first=True),
                 "finish_reason": s.finish_reason,
                 "stop_reason": s.stop_reason,
             }
-            for i, s in sorted(states.items())
-        ]
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(self.prompt_lps(i))
+            choices.append(choice)
         return {**self._envelope(self.object_name, choices), "usage": u}
 
 
@@ -240,4 +319,8 @@ class ChatFormat(Format):
             }
             for i, s in sorted(states.items())
         ]
-        return {**self._envelope(self.object_name, choices), "usage": u}
+        out = {**self._envelope(self.object_name, choices), "usage": u}
+        if self.prompt_logprobs is not None:
+            self._body_prompt_lps(states)
+            out["prompt_logprobs"] = prompt_logprobs_body(self.prompt_lps(0))
+        return out

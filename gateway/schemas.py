@@ -21,10 +21,22 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo, the prompt's tokens come first; the first has no logprob (null)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(description="1 = the likeliest token at that position")
+    decoded_token: str
+
+
+# Per prompt token: null for the first, else the token and its top alternatives by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -35,6 +47,9 @@ class CompletionChoice(BaseModel):
     stop_reason: StopReason = Field(
         description="The stop token id (an integer) or stop string that ended the completion; "
         "null when it ended at EOS or length"
+    )
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, description="With `prompt_logprobs` (vLLM's parameter), not streamed"
     )
 
 
@@ -92,6 +107,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, description="With `prompt_logprobs` (vLLM's parameter): of the rendered prompt"
+    )
 
 
 class ChatDelta(BaseModel):

@@ -17,10 +17,18 @@ from gpu_worker.attention import AttentionBackend, BatchLayout
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.models.llama import CausalLM
 from gpu_worker.sampler import Sampler, SamplingRow
-from pagedserve.plan import NewRequestData, StepPlan, StepResult
+from pagedserve.plan import (
+    NewRequestData,
+    PromptLogprobRun,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
 from pagedserve.sampling_params import SamplingParams
 
 # glibc mallopt parameters
+# Prompt logprobs are computed over at most this many rows at a time (rows x vocab floats).
+PROMPT_LOGPROB_ROWS = 256
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
@@ -122,6 +130,7 @@ class ModelRunner:
                 ]
                 sampled = self.sampler(logits, rows)
                 result.sampled = dict(zip(batch.sample_req_ids, sampled, strict=True))
+            result.prompt_logprobs = self._prompt_logprobs(plan.num_scheduled_tokens, hidden)
             for req_id, n in plan.num_scheduled_tokens.items():
                 self.requests[req_id].num_computed_tokens += n
             for req_id, tok in result.sampled.items():
@@ -129,6 +138,46 @@ class ModelRunner:
             result.model_time_s = time.perf_counter() - t1
         result.total_time_s = time.perf_counter() - t0
         return result
+
+    def _prompt_logprobs(
+        self, scheduled: dict[str, int], hidden: torch.Tensor
+    ) -> dict[str, PromptLogprobRun]:
+        """For requests asking for prompt logprobs: each prompt token this step's rows predict
+        (the row at position p predicts token p + 1), from the float32 log-softmax of the
+        logits, in pieces of PROMPT_LOGPROB_ROWS rows (a long prompt's full logits would be
+        rows x vocab floats at once)."""
+        runs: dict[str, PromptLogprobRun] = {}
+        offset = 0
+        for req_id, n in scheduled.items():
+            st = self.requests[req_id]
+            k = st.sampling.prompt_logprobs
+            start = st.num_computed_tokens
+            end = min(start + n, st.num_prompt_tokens - 1)
+            if k is not None and end > start:
+                targets = st.token_ids[start + 1 : end + 1]
+                tokens: list[SampledToken] = []
+                for a in range(0, end - start, PROMPT_LOGPROB_ROWS):
+                    b = min(a + PROMPT_LOGPROB_ROWS, end - start)
+                    rows = hidden[offset + a : offset + b]
+                    logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+                    ids = torch.tensor(targets[a:b], dtype=torch.long, device=logprobs.device)
+                    chosen_t = logprobs.gather(1, ids[:, None])
+                    ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+                    chosen = chosen_t.squeeze(1).tolist()
+                    top_v: list[list[float]] = [[] for _ in range(b - a)]
+                    top_i: list[list[int]] = [[] for _ in range(b - a)]
+                    if k:
+                        top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+                        top_v, top_i = top.values.tolist(), top.indices.tolist()
+                    tokens += [
+                        SampledToken(t, lp, ti, tv, rank)
+                        for t, lp, ti, tv, rank in zip(
+                            targets[a:b], chosen, top_i, top_v, ranks, strict=True
+                        )
+                    ]
+                runs[req_id] = PromptLogprobRun(start + 1, tokens)
+            offset += n
+        return runs
 
     def _suppress_early_stops(self, logits: torch.Tensor, states: list[RequestState]) -> None:
         """Below min_tokens, EOS and stop token ids cannot be sampled."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,8 @@ TOKEN_FLAG = "--grpc-token / PAGEDSERVE_GRPC_TOKEN"
 class GrpcSecurity:
     """One process's gRPC credentials; the same for what it serves and what it calls."""
 
-    token: str | None = None  # shared secret sent and required as `authorization: Bearer`
+    # The shared secret sent and required as `authorization: Bearer`; kept out of repr (logs).
+    token: str | None = field(default=None, repr=False)
     cert_file: str | None = None  # PEM certificate: served, and presented as a client cert
     key_file: str | None = None  # its PEM private key
     ca_file: str | None = None  # PEM CA bundle: verifies servers; as a server, requires mTLS

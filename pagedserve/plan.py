@@ -95,6 +95,15 @@ class SampledToken:
     logprob: float | None = None
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0  # 1 = the likeliest token; set for prompt logprobs
+
+
+@dataclass
+class PromptLogprobRun:
+    """Prompt tokens start, start + 1, ... each with its log-probability given those before."""
+
+    start: int
+    logprobs: list[SampledToken]
 
 
 @dataclass
@@ -103,3 +112,5 @@ class StepResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     model_time_s: float = 0.0  # forward + sampling
     total_time_s: float = 0.0  # everything the worker did for the step
+    # Requests asking for prompt logprobs whose prompt tokens this step computed.
+    prompt_logprobs: dict[str, PromptLogprobRun] = field(default_factory=dict)

@@ -26,6 +26,9 @@ class SamplingParams:
     completions of one prompt (parallel sampling): the control plane forks the request into n
     children with n == 1 and their own seeds, so a worker only ever sees n == 1.
     include_stop_str_in_output keeps a matched stop string at the end of the text.
+    prompt_logprobs is None or, as logprobs, the alternatives to return beside each prompt
+    token's log-probability given the tokens before it (the first prompt token has none); a
+    request asking for them computes its whole prompt (no prefix-cache hits).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -45,6 +48,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -70,6 +74,8 @@ class SamplingParams:
             raise bad(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise bad("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -10,6 +10,7 @@ from pagedserve.plan import (
     BlockMove,
     CachedRequestData,
     NewRequestData,
+    PromptLogprobRun,
     SampledToken,
     StepPlan,
     StepResult,
@@ -37,6 +38,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.n != 1:
         msg.n = p.n
     if not p.skip_special_tokens:
@@ -60,6 +63,7 @@ def sampling_from_proto(
         "frequency_penalty",
         "seed",
         "logprobs",
+        "prompt_logprobs",
         "n",
         "skip_special_tokens",
     ):
@@ -148,11 +152,20 @@ def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
     )
 
 
-def logprobs_to_proto(tok: SampledToken) -> common_pb2.TokenLogprobs | None:
-    if tok.logprob is None:
-        return None
-    return common_pb2.TokenLogprobs(
-        logprob=tok.logprob, top_token_ids=tok.top_token_ids, top_logprobs=tok.top_logprobs
+def logprobs_to_proto(tok: SampledToken, with_id: bool = False) -> common_pb2.TokenLogprobs:
+    """The token's logprobs (its id too when asked: prompt logprobs carry no ids beside)."""
+    msg = common_pb2.TokenLogprobs(
+        logprob=tok.logprob or 0.0, top_token_ids=tok.top_token_ids, top_logprobs=tok.top_logprobs
+    )
+    if with_id:
+        msg.token_id = tok.token_id
+        msg.rank = tok.rank
+    return msg
+
+
+def _token_from_proto(token_id: int, lp: common_pb2.TokenLogprobs) -> SampledToken:
+    return SampledToken(
+        token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs), lp.rank
     )
 
 
@@ -160,30 +173,41 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     sampled = []
     for req_id, tok in result.sampled.items():
         msg = worker_pb2.SampledToken(req_id=req_id, token_id=tok.token_id)
-        lp = logprobs_to_proto(tok)
-        if lp is not None:
-            msg.logprobs.CopyFrom(lp)
+        if tok.logprob is not None:
+            msg.logprobs.CopyFrom(logprobs_to_proto(tok))
         sampled.append(msg)
+    prompt = [
+        worker_pb2.PromptLogprobs(
+            req_id=req_id,
+            start=run.start,
+            logprobs=[logprobs_to_proto(t, with_id=True) for t in run.logprobs],
+        )
+        for req_id, run in result.prompt_logprobs.items()
+    ]
     return worker_pb2.StepResult(
         step_id=result.step_id,
         sampled=sampled,
         model_time_s=result.model_time_s,
         total_time_s=result.total_time_s,
+        prompt_logprobs=prompt,
     )
 
 
 def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     sampled: dict[str, SampledToken] = {}
     for s in msg.sampled:
-        tok = SampledToken(token_id=s.token_id)
         if s.HasField("logprobs"):
-            tok.logprob = s.logprobs.logprob
-            tok.top_token_ids = list(s.logprobs.top_token_ids)
-            tok.top_logprobs = list(s.logprobs.top_logprobs)
-        sampled[s.req_id] = tok
+            sampled[s.req_id] = _token_from_proto(s.token_id, s.logprobs)
+        else:
+            sampled[s.req_id] = SampledToken(token_id=s.token_id)
+    prompt = {
+        p.req_id: PromptLogprobRun(p.start, [_token_from_proto(t.token_id, t) for t in p.logprobs])
+        for p in msg.prompt_logprobs
+    }
     return StepResult(
         step_id=msg.step_id,
         sampled=sampled,
         model_time_s=msg.model_time_s,
         total_time_s=msg.total_time_s,
+        prompt_logprobs=prompt,
     )

@@ -205,10 +205,56 @@ def test_echo_puts_the_prompt_first(
     assert texts[0].startswith(prompt_text) and texts[1].startswith(prompt_text)
     last = tokenizer.decode([ids[-1]], skip_special_tokens=False)
     assert texts[2].startswith(last) and texts[3].startswith(last)
-    r = http.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "logprobs": 1})
+
+
+def test_echo_with_logprobs_starts_with_the_prompt_tokens(
+    http: httpx.Client, client: OpenAI, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True).ids
+    plain = completion(http, max_tokens=4, logprobs=2)["choices"][0]["logprobs"]
+    body = completion(http, max_tokens=4, logprobs=2, echo=True)
+    CompletionResponse.model_validate(body)
+    lps = body["choices"][0]["logprobs"]
+    prompt_tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lps["tokens"] == prompt_tokens + plain["tokens"]
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lps["token_logprobs"][1:])
+    assert lps["token_logprobs"][len(ids) :] == plain["token_logprobs"]
+    assert all(len(t) <= 3 for t in lps["top_logprobs"][1:])  # 2 alternatives + the token
+    assert lps["text_offset"] == sorted(lps["text_offset"])
+    # Streamed: the first chunk carries the prompt's part, the client parses it.
+    streamed = client.completions.create(
+        model="", prompt=PROMPT, max_tokens=4, logprobs=2, echo=True, stream=True,
+        extra_body=GREEDY,
+    )  # fmt: skip
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lps["tokens"]
+
+
+def test_prompt_logprobs_as_vllm_returns_them(http: httpx.Client, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True).ids
+    body = completion(http, max_tokens=2, prompt_logprobs=2, n=2, seed=3, temperature=1)
+    CompletionResponse.model_validate(body)
+    for choice in body["choices"]:  # every choice of the prompt carries them
+        plps = choice["prompt_logprobs"]
+        assert len(plps) == len(ids) and plps[0] is None
+        for token_id, entry in zip(ids[1:], plps[1:], strict=True):
+            mine = entry[str(token_id)]
+            assert mine["logprob"] <= 0 and mine["rank"] >= 1
+            assert mine["decoded_token"] == tokenizer.decode([token_id], skip_special_tokens=False)
+            ranks = sorted(e["rank"] for k, e in entry.items() if k != str(token_id))
+            assert ranks in ([1, 2], [1], [2], [])  # the alternatives, less the token itself
+    assert body["choices"][0]["prompt_logprobs"] == body["choices"][1]["prompt_logprobs"]
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": USER, "max_tokens": 2, "prompt_logprobs": 0, **GREEDY},
+    ).json()
+    ChatCompletionResponse.model_validate(chat)
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "prompt_logprobs": 21})
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "echo"
-    assert "prompt logprobs" in r.json()["error"]["message"]
 
 
 # -- /v1/models, OpenAPI ---------------------------------------------------------------------

@@ -297,6 +297,18 @@ def test_the_gateway_serves_through_an_mtls_cluster_with_a_token(
         )
 
 
+def test_up_refuses_tls_settings_it_would_not_apply(tmp_path: Path) -> None:
+    env = {**os.environ, "PAGEDSERVE_TLS_CA_FILE": str(tmp_path / "ca.pem")}
+    argv = [sys.executable, "-m", "pagedserve.cli", "up", "--model", str(tmp_path)]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode != 0 and "PAGEDSERVE_TLS_CA_FILE" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_the_token_stays_out_of_reprs() -> None:
+    assert TOKEN not in repr(GrpcSecurity(token=TOKEN))
+
+
 @pytest.mark.parametrize("given", [None, "a-given-token"])
 def test_up_protects_its_ports_with_a_token(
     micro_llama: Path, tmp_path: Path, given: str | None
