@@ -103,18 +103,41 @@ def _interpolate(value: Any) -> Any:
     return value
 
 
+def _load_compose(*files: str) -> dict[str, Any]:
+    """The files merged as `docker compose -f a -f b` does for what they hold: mappings merge
+    key by key, anything else is replaced."""
+
+    def merge(a: Any, b: Any) -> Any:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return {
+                k: merge(a[k], b[k]) if k in a and k in b else b.get(k, a.get(k)) for k in a | b
+            }
+        return b
+
+    data: dict[str, Any] = {}
+    for f in files:
+        data = merge(data, yaml.safe_load((ROOT / f).read_text()))
+    out = _interpolate(data)
+    assert isinstance(out, dict)
+    return out
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    data = _interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
-    assert isinstance(data, dict)
-    return data
+    return _load_compose("docker-compose.yml")
 
 
+@pytest.fixture(scope="module")
+def compose_gpu() -> dict[str, Any]:
+    return _load_compose("docker-compose.yml", "docker-compose.gpu.yml")
+
+
+@pytest.mark.parametrize("variant", ["compose", "compose_gpu"])
 def test_compose_services_commands_and_health(
-    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    variant: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    services = compose["services"]
-    assert {"redis", "gpu-worker", "cpu-worker", "control-plane", "gateway"} <= set(services)
+    services = request.getfixturevalue(variant)["services"]
+    assert {"redis", "worker", "control-plane", "gateway"} == set(services)
     parsed: dict[str, argparse.Namespace] = {}
     for name, svc in services.items():
         if not str(svc.get("image", "")).startswith("pagedserve"):
@@ -135,25 +158,20 @@ def test_compose_services_commands_and_health(
         for dep in svc.get("depends_on", {}):
             assert dep in services, f"{name} depends on unknown {dep}"
 
-    # Addresses point at services (or their aliases) on the ports they listen on.
-    aliases = {
-        alias: parsed[n].port
-        for n in ("gpu-worker", "cpu-worker")
-        for alias in services[n]["networks"]["default"]["aliases"]
-    }
+    # Addresses point at services on the ports they listen on.
     cp = parsed["control-plane"]
     for address in cp.workers.split(","):
         host, port = host_port(address)
-        assert aliases[host] == port
+        assert parsed[host].port == port
     assert re.fullmatch(r"redis://redis:6379/\d+", cp.redis_url)
     assert parsed["gateway"].control_plane == f"control-plane:{cp.port}"
-    assert parsed["gpu-worker"].device == "cuda" and parsed["cpu-worker"].device == "cpu"
+    assert parsed["worker"].device == ("cpu" if variant == "compose" else "cuda")
 
 
 def test_compose_passes_a_required_grpc_token_to_every_pagedserve_service() -> None:
     raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = {n: s for n, s in raw["services"].items() if s["image"].startswith("pagedserve")}
-    assert {"gpu-worker", "cpu-worker", "control-plane", "gateway"} <= set(services)
+    assert {"worker", "control-plane", "gateway"} <= set(services)
     for name, svc in services.items():
         token = svc["environment"]["PAGEDSERVE_GRPC_TOKEN"]
         # Required (no default): compose refuses to start without it.
@@ -163,15 +181,20 @@ def test_compose_passes_a_required_grpc_token_to_every_pagedserve_service() -> N
     assert ".env" in (ROOT / ".dockerignore").read_text().split()
 
 
-def test_compose_gpu_and_cpu_profiles(compose: dict[str, Any]) -> None:
-    gpu, cpu = compose["services"]["gpu-worker"], compose["services"]["cpu-worker"]
-    assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+def test_compose_worker_runs_on_cpu_without_a_profile_and_the_gpu_file_moves_it(
+    compose: dict[str, Any], compose_gpu: dict[str, Any]
+) -> None:
+    cpu, gpu = compose["services"]["worker"], compose_gpu["services"]["worker"]
+    assert "profiles" not in cpu and "deploy" not in cpu
+    assert not any("profiles" in s for s in compose["services"].values())
+    # No swap pool on CPU by default (it would copy KV blocks within the same RAM).
+    assert cpu["environment"]["PAGEDSERVE_SWAP_SPACE"] == "0"
     [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
-    assert gpu["shm_size"] and "deploy" not in cpu
+    assert gpu["build"]["target"] == "cuda" and gpu["environment"]["PAGEDSERVE_SWAP_SPACE"]
+    assert gpu["environment"]["PAGEDSERVE_GRPC_TOKEN"]  # kept from the base file
     deps = compose["services"]["control-plane"]["depends_on"]
-    assert deps["gpu-worker"]["required"] is False and deps["cpu-worker"]["required"] is False
-    assert all(d["condition"] == "service_healthy" for d in deps.values())
+    assert deps["worker"] == {"condition": "service_healthy"}
 
 
 # -- kubernetes -----------------------------------------------------------------------------------
@@ -331,3 +354,32 @@ def test_k8s_kustomize_builds() -> None:
         for c in d["spec"]["template"]["spec"]["containers"]
     }
     assert {"pagedserve:cpu", "pagedserve:cuda"} <= images
+
+
+def test_k8s_every_pod_has_requests_limits_and_patient_probes(
+    manifests: list[dict[str, Any]],
+) -> None:
+    workloads = {**_by_kind(manifests, "Deployment"), **_by_kind(manifests, "StatefulSet")}
+    for name, w in workloads.items():
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            resources = c["resources"]
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(resources.get(kind, {})), f"{name} {kind}"
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                if probe in c:  # a loaded node answers late: the 1 s default fails probes
+                    assert c[probe].get("timeoutSeconds", 1) >= 5, f"{name} {probe}"
+
+
+def test_k8s_control_plane_probes_agree_with_its_startup_wait(
+    manifests: list[dict[str, Any]],
+) -> None:
+    [c] = _by_kind(manifests, "Deployment")["pagedserve-control-plane"]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    env = _by_kind(manifests, "ConfigMap")["pagedserve-control-plane"]["data"]
+    wait = float(env["PAGEDSERVE_WORKER_CONNECT_TIMEOUT"])
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= wait > 0
+    # Liveness asks only whether the process runs; readiness whether a worker answers.
+    assert c["livenessProbe"]["grpc"]["service"] == "liveness"
+    assert "service" not in c["readinessProbe"]["grpc"]
