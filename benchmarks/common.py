@@ -195,6 +195,8 @@ class StackOptions:
     max_num_batched_tokens: int = 2048
     worker_args: tuple[str, ...] = ()
     cp_args: tuple[str, ...] = ()
+    # Offline workloads arrive whole, as vLLM's LLM.generate queues them: no admission bound.
+    max_waiting: str = "1048576"
 
 
 @dataclass
@@ -267,6 +269,8 @@ def start_stack(model: Path, opts: StackOptions) -> Stack:
             str(opts.max_num_seqs),
             "--max-num-batched-tokens",
             str(opts.max_num_batched_tokens),
+            "--max-waiting",
+            opts.max_waiting,
             *opts.cp_args,
         ]
         # The control plane's own work is single-threaded Python; keep torch out of its way.

@@ -41,8 +41,9 @@ class ControlPlaneConfig:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError("max_waiting must be >= 0")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            # 0 would refuse every request: admission comes before a request can run.
+            raise ValueError("max_waiting must be >= 1 (or auto)")
         if self.worker_connect_timeout_s < 0:
             raise ValueError("worker_connect_timeout_s must be >= 0 (0: no limit)")
         if not (0 < self.port < 65536):

@@ -14,8 +14,9 @@ from pagedserve.log import configure_logging, get_logger
 log = get_logger(__name__)
 
 
-def serve(config: GatewayConfig) -> None:
-    configure_logging("gateway")
+def serve(config: GatewayConfig, log_format: str | None = None) -> None:
+    """Serves until SIGINT/SIGTERM; `log_format` as `--log-format` (None: the environment's)."""
+    configure_logging("gateway", log_format)
     # The gateway logs its own structured lines; keep uvicorn's to warnings and errors.
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.config import ModelConfig, UnsupportedModelError
 from gpu_worker.models.llama import CausalLM
 from pagedserve.gguf import GGUFCheckpoint, GGUFError, find_gguf, open_gguf
 
@@ -40,7 +40,12 @@ def load_model(
         return _fill(path, config, set(ckpt.tensor_names()), ckpt.tensor, dtype, device)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: not an HF checkpoint directory")
-    config = ModelConfig.from_dir(path)
+    try:
+        config = ModelConfig.from_dir(path)
+    except UnsupportedModelError:
+        raise
+    except ValueError as exc:  # a malformed config.json (JSON errors included)
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
     files = safetensors_files(path)
     with ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -90,6 +95,14 @@ def _fill(
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     return model.eval()
+
+
+def size_on_disk(model_path: str | Path) -> int:
+    """Bytes of a checkpoint: its file, or the files directly in its directory."""
+    path = Path(model_path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
 def model_name(model_path: str | Path) -> str:

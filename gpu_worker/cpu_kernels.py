@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from gpu_worker import cpu_isa
@@ -61,7 +62,10 @@ def library_path(cc: str, source: Path) -> Path:
 def _build(cc: str, source: Path) -> Path:
     target = library_path(cc, source)
     if target.exists():
+        log.info("cpu_kernel_cached", source=source.name, path=str(target))
         return target
+    log.info("cpu_kernel_compiling", source=source.name, compiler=cc)
+    t0 = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: concurrent workers never see half a library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -78,6 +82,8 @@ def _build(cc: str, source: Path) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    seconds = round(time.perf_counter() - t0, 2)
+    log.info("cpu_kernel_compiled", source=source.name, path=str(target), seconds=seconds)
     return target
 
 

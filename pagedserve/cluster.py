@@ -32,9 +32,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve import grpc_security
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
+from pagedserve.log import resolve_format
 
 READY_TIMEOUT_S = 300.0
-DEFAULT_HTTP_PORT = 8000
 # A worker that exits is started again after these waits, one per exit in a row; one that ran
 # STABLE_AFTER_S before exiting starts from the first wait again.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -100,7 +100,7 @@ class Child:
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}")
+            raise StartupError(f"{self.name} exited with code {self.proc.returncode}")
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc.poll() is None:
@@ -111,6 +111,10 @@ class Child:
                 self.proc.kill()
                 self.proc.wait()
         self._pump.join(timeout=2)
+
+
+class StartupError(RuntimeError):
+    """A child of `up` exited, or did not become healthy, while the cluster started."""
 
 
 # -- health checks (also `pagedserve healthcheck`) ------------------------------------------------
@@ -154,7 +158,7 @@ def wait_until(
         if check():
             return
         time.sleep(0.2)
-    raise TimeoutError(f"{child.name} did not become healthy at {what} in {timeout:.0f}s")
+    raise StartupError(f"{child.name} did not become healthy at {what} in {timeout:.0f}s")
 
 
 def wait_serving(address: str, child: Child, timeout: float = READY_TIMEOUT_S) -> None:
@@ -165,15 +169,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 # -- the cluster --------------------------------------------------------------------------------
@@ -232,16 +227,6 @@ def _start_redis(a: argparse.Namespace, env: dict[str, str]) -> tuple[Child | No
     return child, f"redis://{a.host}:{port}/0"
 
 
-def _http_port(a: argparse.Namespace) -> int:
-    if a.port is not None:
-        return int(a.port)
-    if _port_free(a.host, DEFAULT_HTTP_PORT):
-        return DEFAULT_HTTP_PORT
-    port = free_port(a.host)
-    print(f"port {DEFAULT_HTTP_PORT} is taken: the gateway uses {port}", file=sys.stderr)
-    return port
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -274,8 +259,27 @@ def run_until_signalled(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(run())
 
 
+def try_curl(url: str, api_key: str | None) -> list[str]:
+    """The lines `up` prints to show a first request. The API key itself is never printed (a
+    log may keep it): the header reads it from $PAGEDSERVE_API_KEY, where the gateway reads it
+    too; a key given by --api-key comes with a line saying to export it."""
+    message = '{"role": "user", "content": "What is the capital of France?"}'
+    curl = f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'"
+    if api_key:
+        curl += ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"'
+    lines = [f"""{curl} -d '{{"messages": [{message}], "temperature": 0}}'"""]
+    if api_key and os.environ.get("PAGEDSERVE_API_KEY") != api_key:
+        lines.insert(0, "export PAGEDSERVE_API_KEY=<the key given by --api-key>, then")
+    return lines
+
+
 def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
-    env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": os.environ.get("PAGEDSERVE_LOG_FORMAT", "json")}
+    # The children's lines are shown on this process's stdout: human-readable on a terminal
+    # (in colour), JSON otherwise, unless --log-format says which.
+    tty = sys.stdout.isatty()
+    env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": resolve_format(a.log_format, tty)}
+    if tty and env["PAGEDSERVE_LOG_FORMAT"] == "console":
+        env["FORCE_COLOR"] = "1"
     # One gRPC token for the cluster, the given one or a fresh one, so that the local ports
     # refuse whoever else can reach them; children get it by the environment (argv shows in
     # `ps`), and `pagedserve generate` / `stats` find it where save_token leaves it.
@@ -309,7 +313,7 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
         cp = Child("control-plane", py + cp_argv + _passthrough(a, SCHEDULER_FLAGS), env)
         children.append(cp)
         wait_serving(cp_address, cp)
-        http_port = _http_port(a)
+        http_port = a.port  # decided, as every port, before anything started (ports.up_ports)
         url = f"http://{a.host}:{http_port}"
         gw_argv = ["gateway", "--host", a.host, "--port", str(http_port)]
         gw_argv += ["--control-plane", cp_address]
@@ -324,12 +328,7 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
             f"model {model_dir}",
             flush=True,
         )
-        message = '{"role": "user", "content": "What is the capital of France?"}'
-        example = f"""-d '{{"messages": [{message}], "temperature": 0}}'"""
-        print(
-            f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' {example}",
-            flush=True,
-        )
+        print("\n".join(try_curl(url, a.api_key)), flush=True)
         # Workers are restarted when they exit (the control plane moves their requests and
         # takes them back when they answer); Redis, the control plane or the gateway exiting
         # stops the cluster.

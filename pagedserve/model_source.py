@@ -59,9 +59,8 @@ def resolve_model(arg: str | None, check_gguf: bool = True) -> Path:
         return path
     if arg in PRESETS:
         return ensure_preset_model(arg)
-    raise ModelNotFoundError(
-        f"--model {arg!r}: no such file or directory, and not a preset ({', '.join(PRESETS)})"
-    )
+    named = f"--model {arg}" + ("" if str(path) == arg else f" ({path})")
+    raise ModelNotFoundError(f"{named} does not exist (and is not a preset: {', '.join(PRESETS)})")
 
 
 def smollm2_gguf() -> Path:

@@ -114,6 +114,53 @@ def test_run_and_summaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_reads_by_rate_and_in_ms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rate panel: a linear axis whose last tick says "all at once", a legend naming both
+    axes' series; TTFT and TPOT in ms; one run alone: three CDFs in a row, figures in the title."""
+    from pagedserve.bench.plot import build_figure
+
+    real_client = httpx.AsyncClient
+
+    def fake_client(**kw: object) -> httpx.AsyncClient:
+        return real_client(transport=httpx.MockTransport(_sse), **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(httpx, "AsyncClient", fake_client)
+    reqs = random_requests(6, LengthRange(2, 4), LengthRange(2, 5), 50, seed=0)
+    cfg = ServeConfig("http://fake", request_rates=(50.0, 100.0, math.inf), progress=False)
+    report = asyncio.run(run(cfg, reqs))
+    fig = build_figure(report)
+    cdfs, rate = fig.axes[:3], fig.axes[3]
+    assert [ax.get_xlabel() for ax in cdfs] == [
+        "time to first token (ms)",
+        "time per output token (ms)",
+        "end-to-end latency (s)",
+    ]
+    tpots = [q["tpot_s"] for q in report["runs"][0]["requests"]]
+    assert max(cdfs[1].lines[0].get_xdata()) == pytest.approx(max(tpots) * 1e3)
+    assert [t.get_text() for t in cdfs[0].get_legend().get_texts()] == [
+        "50 req/s",
+        "100 req/s",
+        "all at once",
+    ]
+    assert rate.get_xscale() == "linear"
+    labels = [t.get_text() for t in rate.get_xticklabels()]
+    assert labels[-1] == "all\nat once" and labels[:2] == ["0", "20"]  # plain linear ticks
+    assert list(rate.lines[0].get_xdata()) == [50.0, 100.0]  # the finite rates where they are
+    assert rate.get_xticks()[-1] > 100
+    legend = rate.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "output tok/s",
+        "mean TTFT (ms)",
+        "mean TPOT (ms)",
+    ]
+    assert fig.axes[4].get_ylabel() == "mean latency (ms)"  # the right-hand axis
+
+    single = build_figure({**report, "runs": report["runs"][2:]})
+    assert len(single.axes) == 3
+    title = single.get_suptitle()
+    assert "all at once:" in title and "output tok/s" in title and "TPOT" in title
+
+
 def test_distribution_and_empty_summary() -> None:
     d = distribution([0.001, 0.002, 0.003])
     assert d["mean_ms"] == pytest.approx(2.0) and d["p50_ms"] == pytest.approx(2.0)

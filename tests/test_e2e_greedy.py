@@ -70,6 +70,9 @@ def test_greedy_matches_transformers(
             str(MAX_BATCHED_TOKENS),
             "--max-num-seqs",
             "16",
+            # Every request at once, more than the pool holds: preemption is the point here.
+            "--max-waiting",
+            "1024",
             *(["--no-async-scheduling"] if scheduling == "sync" else []),
         ),
     )

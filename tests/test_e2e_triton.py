@@ -58,6 +58,9 @@ def test_triton_backend_greedy_matches_transformers(
             str(MAX_BATCHED_TOKENS),
             "--max-num-seqs",
             "8",
+            # Every request at once, more than the pool holds: preemption is the point here.
+            "--max-waiting",
+            "1024",
         ),
     )
 

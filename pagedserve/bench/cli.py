@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import json
 import math
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,11 @@ def register_bench(sub: Any) -> None:
     )
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the gateway's URL")
     s.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
-    s.add_argument("--api-key", default=None)
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_API_KEY"),
+        help="sent as Authorization: Bearer KEY [env PAGEDSERVE_API_KEY]",
+    )
     s.add_argument("--num-prompts", type=int, default=64)
     s.add_argument(
         "--dataset",
@@ -97,21 +102,24 @@ def build_requests(a: argparse.Namespace) -> list[BenchRequest]:
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from pagedserve.bench.serve import ServeConfig, run
+    from pagedserve.bench.serve import BenchError, ServeConfig, run
 
-    cfg = ServeConfig(
-        base_url=a.base_url,
-        model=a.model,
-        api_key=a.api_key,
-        request_rates=a.request_rate,
-        arrival=a.arrival,
-        burst_size=a.burst_size,
-        max_concurrency=a.max_concurrency,
-        ignore_eos=a.ignore_eos,
-        seed=a.seed,
-        num_warmup=a.num_warmup,
-        progress=a.progress,
-    )
+    try:
+        cfg = ServeConfig(
+            base_url=a.base_url,
+            model=a.model,
+            api_key=a.api_key,
+            request_rates=a.request_rate,
+            arrival=a.arrival,
+            burst_size=a.burst_size,
+            max_concurrency=a.max_concurrency,
+            ignore_eos=a.ignore_eos,
+            seed=a.seed,
+            num_warmup=a.num_warmup,
+            progress=a.progress,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"pagedserve bench serve: {exc}") from None
     report: dict[str, Any] = {
         "benchmark": "serve",
         "base_url": a.base_url,
@@ -124,7 +132,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
     }
-    report.update(asyncio.run(run(cfg, build_requests(a))))
+    try:
+        report.update(asyncio.run(run(cfg, build_requests(a))))
+    except BenchError as exc:
+        raise SystemExit(f"pagedserve bench serve: {exc}") from None
     print(format_report(report))
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,11 @@ from pagedserve.bench.workload import BenchRequest
 Arrival = Literal["poisson", "burst"]
 
 
+class BenchError(RuntimeError):
+    """The server cannot be benchmarked: nothing answers, it refuses the API key, it serves no
+    model, or the warm-up request fails. The message is one line for the user."""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     base_url: str
@@ -93,14 +98,39 @@ class Progress:
 
 
 async def resolve_model(client: httpx.AsyncClient, cfg: ServeConfig) -> str:
+    """`cfg.model`, else the first model the server lists. Asking the server even when the
+    model is given checks that it answers and takes the key before any load is sent."""
+    url = cfg.base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = await client.get(url, headers=cfg.headers)
+    except httpx.TransportError as exc:
+        raise BenchError(
+            f"no server answers at {cfg.base_url} ({exc or type(exc).__name__}): start one "
+            "with `pagedserve up`, or point --base-url at it"
+        ) from None
+    if resp.status_code in (401, 403):
+        if cfg.api_key:
+            raise BenchError(f"{cfg.base_url} refused the API key (HTTP {resp.status_code})")
+        raise BenchError(
+            f"{cfg.base_url} requires an API key (HTTP {resp.status_code}): pass --api-key "
+            "or set PAGEDSERVE_API_KEY"
+        )
     if cfg.model:
         return cfg.model
-    resp = await client.get(cfg.base_url.rstrip("/") + "/v1/models", headers=cfg.headers)
-    resp.raise_for_status()
+    if resp.status_code != 200:
+        raise BenchError(f"GET {url}: HTTP {resp.status_code}: {_error_message(resp)}")
     models = resp.json().get("data") or []
     if not models:
-        raise RuntimeError(f"{cfg.base_url} serves no models")
+        raise BenchError(f"{cfg.base_url} serves no models")
     return str(models[0]["id"])
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """An OpenAI-style error's message, else the start of the body."""
+    try:
+        return str(resp.json()["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:300]
 
 
 async def run_rate(
@@ -149,7 +179,7 @@ async def run(cfg: ServeConfig, requests: Sequence[BenchRequest]) -> dict[str, A
                 cfg.headers,
             )
             if not warm.ok:
-                raise RuntimeError(f"warm-up request failed: {warm.error}")
+                raise BenchError(f"the warm-up request failed: {warm.error}")
         runs = []
         for rate in cfg.request_rates:
             results, duration = await run_rate(client, cfg, model, requests, rate)
