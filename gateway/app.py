@@ -147,7 +147,12 @@ class Gateway:
             for c in choices:
                 c.request.output_kind = pb.OUTPUT_KIND_FINAL_ONLY
         events = stream_choices(
-            self.upstream, choices, self.metrics, fmt.model, self.config.retry_after_s
+            self.upstream,
+            choices,
+            self.metrics,
+            fmt.model,
+            self.config.retry_after_s,
+            self.config.stream_stall_timeout_s,
         )
         return await respond(request, events, choices, fmt, body.n, body.stream, body.include_usage)
 

@@ -24,6 +24,11 @@ from protos.v1 import control_plane_pb2 as pb
 
 log = get_logger(__name__)
 
+# Messages a request's choices may hold here for a client that reads slower than they come.
+STREAM_BUFFER_MESSAGES = 256
+# A client that takes nothing for this long while messages wait has its request aborted.
+STREAM_STALL_TIMEOUT_S = 60.0
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -99,14 +104,40 @@ async def stream_choices(
     metrics: GatewayMetrics,
     model_name: str,
     retry_after_s: int,
+    stall_timeout_s: float = STREAM_STALL_TIMEOUT_S,
 ) -> AsyncGenerator[ChoiceEvent, None]:
     """Runs every choice's Generate call at once and yields their messages as they arrive.
 
     The first upstream error is raised (as an APIError) after cancelling the other calls;
     closing or cancelling the iterator cancels every call still running, which makes the
     control plane free their blocks at once.
+
+    Backpressure: at most STREAM_BUFFER_MESSAGES messages wait here for a client that reads
+    slower than the engine writes; beyond that the calls stop being read, gRPC's flow control
+    holds the control plane's writes, and the control plane coalesces what the request
+    generates meanwhile into its next message. A client that takes nothing for
+    stall_timeout_s has its calls cancelled (their KV blocks freed), logged as
+    `stream_stalled`; what was buffered goes out should it read again, then an error event.
     """
-    queue: asyncio.Queue[ChoiceEvent | APIError | None] = asyncio.Queue()
+    queue: asyncio.Queue[ChoiceEvent | APIError | None] = asyncio.Queue(STREAM_BUFFER_MESSAGES)
+    stalled: list[APIError] = []
+
+    async def put(item: ChoiceEvent | APIError | None) -> None:
+        try:
+            await asyncio.wait_for(queue.put(item), stall_timeout_s)
+        except TimeoutError:
+            if not stalled:
+                log.warning("stream_stalled", stall_timeout_s=stall_timeout_s)
+                stalled.append(
+                    APIError(
+                        408,
+                        f"the client read nothing for {stall_timeout_s:g} s; the request was "
+                        "aborted",
+                        type="timeout_error",
+                    )
+                )
+            for t in tasks:
+                t.cancel()
 
     async def pump(choice: Choice) -> None:
         call = upstream.generate(choice.request)
@@ -115,13 +146,13 @@ async def stream_choices(
         try:
             async for msg in call:
                 timer.on_message(msg)
-                queue.put_nowait(ChoiceEvent(choice.first_index + msg.index, msg))
-            queue.put_nowait(None)
+                await put(ChoiceEvent(choice.first_index + msg.index, msg))
+            await put(None)
         except grpc.aio.AioRpcError as exc:
-            queue.put_nowait(from_grpc(exc, retry_after_s))
+            await put(from_grpc(exc, retry_after_s))
         except Exception as exc:  # a bug here must reach the client as a 500, not a hang
             log.exception("choice_failed", error=f"{type(exc).__name__}: {exc}")
-            queue.put_nowait(APIError(500, "internal error", type="server_error"))
+            await put(APIError(500, "internal error", type="server_error"))
         finally:
             call.cancel()
 
@@ -129,6 +160,8 @@ async def stream_choices(
     try:
         remaining = len(tasks)
         while remaining:
+            if stalled and queue.empty():
+                raise stalled[0]
             item = await queue.get()
             if item is None:
                 remaining -= 1

@@ -23,6 +23,8 @@ class GatewayConfig:
     retry_after_s: int = 1
     # Deadline for the health, stats and model-list calls to the control plane.
     control_timeout_s: float = 2.0
+    # A streaming client that reads nothing this long while output waits: its request aborted.
+    stream_stall_timeout_s: float = 60.0
     # Token and TLS for the channel to the control plane.
     grpc_security: GrpcSecurity = INSECURE
 
@@ -36,5 +38,7 @@ class GatewayConfig:
             raise ValueError("api_key must not be empty (leave it unset to turn keys off)")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.stream_stall_timeout_s <= 0:
+            raise ValueError("stream_stall_timeout_s must be positive")
         if self.graceful_shutdown_s < 0 or self.control_timeout_s <= 0 or self.retry_after_s < 0:
             raise ValueError("timeouts must be positive")

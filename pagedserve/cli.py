@@ -198,6 +198,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         served_model_name=a.served_model_name or None,
         max_request_bytes=a.max_request_bytes,
         graceful_shutdown_s=a.graceful_shutdown_timeout,
+        stream_stall_timeout_s=a.stream_stall_timeout,
         grpc_security=_grpc_security(a, a.control_plane),
     )
     _check_port(a.host, a.port)
@@ -369,6 +370,14 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds a stopping gateway lets in-flight requests finish",
+    )
+    _flag(
+        p,
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streaming client may read nothing while output waits before its "
+        "request is aborted (its KV blocks freed)",
     )
 
 

@@ -210,7 +210,7 @@ SCHEDULER_FLAGS = [
     "worker-failover-timeout",
     "worker-connect-timeout",
 ]
-GATEWAY_FLAGS = ["max-request-bytes", "graceful-shutdown-timeout"]
+GATEWAY_FLAGS = ["max-request-bytes", "graceful-shutdown-timeout", "stream-stall-timeout"]
 
 
 def _start_redis(a: argparse.Namespace, env: dict[str, str]) -> tuple[Child | None, str | None]:

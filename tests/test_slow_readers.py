@@ -1,0 +1,97 @@
+"""Streaming clients that never read: the gateway holds a bounded buffer for them, the control
+plane's writes wait under gRPC flow control, and after the stall timeout their requests are
+aborted and their KV blocks freed; memory stays bounded. Real worker, control plane, gateway."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.gateway_stack import HttpProcess
+from tests.procs import ServerProcess, free_port
+from tests.stack import start_stack
+
+STALL_S = 1
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def never_reading_stream(port: int, body: dict[str, object]) -> socket.socket:
+    """A streamed completion request on a socket that is never read (a small receive buffer,
+    so the server's writes back up at once)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return s
+
+
+@pytest.mark.timeout(180)
+def test_never_reading_clients_are_bounded_then_aborted(
+    spawn: Callable[..., ServerProcess], micro_llama: Path
+) -> None:
+    stack = start_stack(spawn, micro_llama, num_gpu_blocks=512)
+    port = free_port()
+    gw = HttpProcess(
+        "gateway",
+        [
+            "gateway", "--port", str(port), "--control-plane", stack.address,
+            "--stream-stall-timeout", str(STALL_S),
+        ],
+        f"http://127.0.0.1:{port}",
+    )  # fmt: skip
+    try:
+        gw.wait_ready()
+        total_blocks = stack.stats().workers[0].num_free_gpu_blocks
+        before = rss_mib(gw.proc.pid)
+        body = {
+            "prompt": [5, 6, 7], "max_tokens": 2000, "n": 8, "logprobs": 5, "stream": True,
+            "ignore_eos": True, "temperature": 1.0, "seed": 1,
+        }  # fmt: skip
+        clients = [never_reading_stream(port, body) for _ in range(2)]
+        peak = before
+        start = time.monotonic()
+        while time.monotonic() - start < STALL_S + 20:
+            peak = max(peak, rss_mib(gw.proc.pid))
+            s = stack.stats()
+            if s.num_requests_aborted >= 2 and s.num_running == 0:
+                break
+            time.sleep(0.2)
+        s = stack.stats()
+        # Both requests aborted after the stall, long before their 2,000 tokens x 8.
+        assert s.num_requests_aborted >= 2 and s.num_running == 0, s
+        assert s.workers[0].num_generated_tokens < 2 * 8 * 2000
+        assert s.workers[0].num_free_gpu_blocks == total_blocks
+        assert "stream_stalled" in gw.output()
+        assert peak - before < 40, f"gateway grew {peak - before:.0f} MiB"
+        for c in clients:
+            c.close()
+        time.sleep(1)
+        assert rss_mib(gw.proc.pid) - before < 40
+        # The gateway serves on.
+        import httpx
+
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": [5, 6, 7], "max_tokens": 4},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        gw.stop()
