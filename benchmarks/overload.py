@@ -1,0 +1,388 @@
+"""Overload, slow readers and amplification against `pagedserve up`, with every process's memory.
+
+Phases, one `up` for all of them:
+
+1. **Unloaded**: streamed requests one at a time (mixed lengths): TTFT p50 / p99.
+2. **Capacity**: a burst of requests at once; completed requests per second.
+3. **Overload**: Poisson arrivals at `--overload` × capacity for `--duration` seconds, mixed
+   lengths; a share of the clients disconnect mid-stream, another share abort before their
+   first token. Reported: status counts (200 / 429 / 5xx), the 429s' latency, the admitted
+   requests' TTFT percentiles against the unloaded figure, the RSS of every process (sampled
+   each second; "flat" compares the last quarter with the first after warm-up).
+4. **Drain**: once the load stops, the waiting queue empties and no KV block stays in use.
+5. **Slow readers**: streaming clients that never read, for longer than the gateway's
+   `--stream-stall-timeout`: the gateway's and control plane's RSS before, at peak and after,
+   and whether their requests were aborted (KV blocks freed).
+6. **Amplification**: one small request asking for prompts × n × max_tokens × logprobs far
+   beyond the request budget: its status and size, and the memory it cost.
+
+    python -m benchmarks.overload --preset tiny
+    python -m benchmarks.overload --preset smollm2 --duration 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import (
+    RESULTS_DIR,
+    Process,
+    format_table,
+    free_port,
+    machine,
+    model_dir,
+    percentile,
+    write_json,
+)
+
+STALL_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Outcome:
+    status: int = 0
+    kind: str = "normal"  # normal | disconnect | abort
+    status_s: float = 0.0  # until the response's status line
+    ttft_s: float | None = None
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Sampler:
+    """RSS of named processes, once a second."""
+
+    pids: dict[str, int]
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    def sample(self) -> None:
+        for name, pid in self.pids.items():
+            self.samples.setdefault(name, []).append(rss_mib(pid))
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def child_pids(ports: dict[str, int]) -> dict[str, int]:
+    """up's children, found by the ports on their command lines."""
+    found: dict[str, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+        except OSError:
+            continue
+        for name, port in ports.items():
+            if "--port" in argv and argv[argv.index("--port") + 1] == str(port):
+                if name in argv or (name == "redis" and "redis-server" in argv[0]):
+                    found[name] = int(entry)
+    return found
+
+
+def body_for(rng: random.Random, vocab: int) -> dict[str, Any]:
+    prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 192))]
+    return {
+        "prompt": prompt, "max_tokens": rng.randint(16, 128), "stream": True,
+        "ignore_eos": True, "temperature": 0,
+    }  # fmt: skip
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any], kind: str) -> Outcome:
+    out = Outcome(kind=kind)
+    start = time.monotonic()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            out.status = r.status_code
+            out.status_s = time.monotonic() - start
+            if r.status_code != 200:
+                await r.aread()
+                out.error = r.text[:200]
+                return out
+            if kind == "abort":
+                return out  # gone before the first token
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.error = str(event["error"])[:200]
+                    out.status = 500
+                    return out
+                if event["choices"] and event["choices"][0]["text"]:
+                    out.ttft_s = out.ttft_s or time.monotonic() - start
+                    out.tokens += 1
+                    if kind == "disconnect" and out.tokens >= 3:
+                        return out  # gone mid-stream
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def sequential(url: str, bodies: list[dict[str, Any]]) -> list[Outcome]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        return [await one(client, url, b, "normal") for b in bodies]
+
+
+async def burst(url: str, bodies: list[dict[str, Any]]) -> tuple[list[Outcome], float]:
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.monotonic()
+        outs = await asyncio.gather(*(one(client, url, b, "normal") for b in bodies))
+        return list(outs), time.monotonic() - start
+
+
+async def poisson(
+    url: str, rate: float, duration: float, vocab: int, seed: int, sampler: Sampler
+) -> list[Outcome]:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=4000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        tasks: list[asyncio.Task[Outcome]] = []
+        start = time.monotonic()
+        next_sample = start
+        t = start
+        while t - start < duration:
+            t += rng.expovariate(rate)
+            while time.monotonic() < t:
+                if time.monotonic() >= next_sample:
+                    sampler.sample()
+                    next_sample += 1.0
+                await asyncio.sleep(min(0.05, max(0.0, t - time.monotonic())))
+            roll = rng.random()
+            kind = "disconnect" if roll < 0.1 else "abort" if roll < 0.15 else "normal"
+            tasks.append(asyncio.create_task(one(client, url, body_for(rng, vocab), kind)))
+        return list(await asyncio.gather(*tasks))
+
+
+async def metrics(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(url + "/metrics")).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pagedserve:") and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0].removeprefix("pagedserve:")
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def never_reading(port: int, body: dict[str, Any]) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall((head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data)
+    return s
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="tiny", help="tiny | small | smollm2")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of overload")
+    p.add_argument("--overload", type=float, default=4.0, help="offered load / capacity")
+    p.add_argument("--burst", type=int, default=64, help="requests of the capacity burst")
+    p.add_argument("--slow-readers", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+
+    model = model_dir(a.preset)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    ports = {"gateway": free_port(), "control-plane": free_port(), "worker": free_port()}
+    up = Process(
+        "up",
+        [
+            "up", "--model", str(model), "--port", str(ports["gateway"]),
+            "--grpc-port", str(ports["control-plane"]),
+            "--worker-base-port", str(ports["worker"]),
+            "--stream-stall-timeout", str(STALL_TIMEOUT_S),
+        ],
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{ports['gateway']}"
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "preset": a.preset,
+        "args": vars(a) | {"out": None},
+    }
+    try:
+        up.wait_http(url + "/health", timeout=600)
+        pids = child_pids(ports)
+        rng = random.Random(a.seed)
+        asyncio.run(sequential(url, [body_for(rng, vocab) for _ in range(3)]))  # warm-up
+
+        # 1. unloaded
+        unloaded = asyncio.run(sequential(url, [body_for(rng, vocab) for _ in range(20)]))
+        ttft0 = [o.ttft_s for o in unloaded if o.ttft_s is not None]
+        report["unloaded"] = {"ttft_p50_s": pct(ttft0, 50), "ttft_p99_s": pct(ttft0, 99)}
+
+        # 2. capacity
+        outs, wall = asyncio.run(burst(url, [body_for(rng, vocab) for _ in range(a.burst)]))
+        done = sum(o.status == 200 for o in outs)
+        capacity = done / wall
+        report["capacity"] = {"requests": a.burst, "completed": done, "wall_s": wall,
+                              "requests_per_s": capacity}  # fmt: skip
+
+        # 3. overload
+        sampler = Sampler(pids)
+        rate = a.overload * capacity
+        outs = asyncio.run(poisson(url, rate, a.duration, vocab, a.seed + 1, sampler))
+        by_status: dict[str, int] = {}
+        for o in outs:
+            key = "5xx" if o.status >= 500 else str(o.status) if o.status else "transport"
+            by_status[key] = by_status.get(key, 0) + 1
+        admitted = [o.ttft_s for o in outs if o.status == 200 and o.ttft_s is not None]
+        rejected = [o.status_s for o in outs if o.status == 429]
+        rss: dict[str, dict[str, float]] = {}
+        for name, values in sampler.samples.items():
+            warm = values[len(values) // 6 :] or values
+            quarter = max(1, len(warm) // 4)
+            first, last = statistics.mean(warm[:quarter]), statistics.mean(warm[-quarter:])
+            rss[name] = {"first_mib": first, "last_mib": last, "peak_mib": max(values),
+                         "drift": (last - first) / first if first else 0.0}  # fmt: skip
+        p99 = pct(admitted, 99)
+        p99_0 = report["unloaded"]["ttft_p99_s"]
+        errors = {o.error for o in outs if o.status >= 500 or (o.error and not o.status)}
+        report["overload"] = {
+            "offered_rate": rate,
+            "duration_s": a.duration,
+            "requests": len(outs),
+            "status": by_status,
+            "admitted_ttft_p50_s": pct(admitted, 50),
+            "admitted_ttft_p99_s": p99,
+            "ttft_p99_vs_unloaded": p99 / p99_0 if p99 and p99_0 else None,
+            "rejected_latency_p50_ms": (pct(rejected, 50) or 0) * 1000,
+            "rejected_latency_p99_ms": (pct(rejected, 99) or 0) * 1000,
+            "errors": sorted(errors)[:5],
+            "rss": rss,
+        }
+
+        # 4. drain
+        start = time.monotonic()
+        m: dict[str, float] = {}
+        while time.monotonic() - start < 120:
+            m = asyncio.run(metrics(url))
+            if m.get("num_requests_running", 1) == 0 and m.get("num_requests_waiting", 1) == 0:
+                break
+            time.sleep(0.5)
+        report["drain"] = {
+            "seconds": time.monotonic() - start,
+            "running": m.get("num_requests_running"), "waiting": m.get("num_requests_waiting"),
+            "kv_usage": m.get("gpu_cache_usage_perc"),
+        }  # fmt: skip
+
+        # 5. slow readers
+        gw, cp = pids.get("gateway", 0), pids.get("control-plane", 0)
+        before = {"gateway": rss_mib(gw), "control-plane": rss_mib(cp)}
+        aborted0 = asyncio.run(metrics(url)).get("num_requests_aborted_total", 0.0)
+        slow = {"prompt": [5, 6, 7], "max_tokens": 2000, "n": 8, "logprobs": 5,
+                "stream": True, "ignore_eos": True, "temperature": 1.0}  # fmt: skip
+        sockets = [never_reading(ports["gateway"], slow) for _ in range(a.slow_readers)]
+        peak = dict(before)
+        start = time.monotonic()
+        while time.monotonic() - start < STALL_TIMEOUT_S + 30:
+            peak = {
+                k: max(peak[k], rss_mib(pid)) for k, pid in (("gateway", gw), ("control-plane", cp))
+            }
+            m = asyncio.run(metrics(url))
+            if m.get("num_requests_running", 1) == 0 and time.monotonic() - start > 1:
+                break
+            time.sleep(0.5)
+        for s in sockets:
+            s.close()
+        time.sleep(2)
+        after = {"gateway": rss_mib(gw), "control-plane": rss_mib(cp)}
+        aborted = asyncio.run(metrics(url)).get("num_requests_aborted_total", 0.0) - aborted0
+        report["slow_readers"] = {"clients": a.slow_readers, "request": slow,
+                                  "rss_before_mib": before, "rss_peak_mib": peak,
+                                  "rss_after_mib": after, "aborted": aborted,
+                                  "seconds_to_abort": time.monotonic() - start - 2}  # fmt: skip
+
+        # 6. amplification
+        big = {"prompt": ["Hello"] * 16, "n": 16, "logprobs": 20, "max_tokens": 1000,
+               "ignore_eos": True}  # fmt: skip
+        before = {"gateway": rss_mib(gw), "control-plane": rss_mib(cp)}
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=big, timeout=600)
+        report["amplification"] = {
+            "request_bytes": len(json.dumps(big)), "status": r.status_code,
+            "response_bytes": len(r.content), "seconds": time.monotonic() - start,
+            "message": r.json().get("error", {}).get("message") if r.status_code != 200 else None,
+            "rss_before_mib": before,
+            "rss_after_mib": {"gateway": rss_mib(gw), "control-plane": rss_mib(cp)},
+        }  # fmt: skip
+    finally:
+        up.stop()
+
+    o, u, sr = report["overload"], report["unloaded"], report["slow_readers"]
+
+    def ms(*values: float | None) -> str:
+        return " / ".join(f"{(v or 0) * 1e3:.0f}" for v in values)
+
+    def mib(key: str) -> str:
+        return " / ".join(
+            f"{sr[k][key]:.0f}" for k in ("rss_before_mib", "rss_peak_mib", "rss_after_mib")
+        )
+
+    drain = report["drain"]
+    amp = report["amplification"]
+    rows = [
+        ["unloaded TTFT p50 / p99 (ms)", ms(u["ttft_p50_s"], u["ttft_p99_s"])],
+        ["capacity (requests/s)", f"{report['capacity']['requests_per_s']:.2f}"],
+        ["offered (requests/s)", f"{o['offered_rate']:.2f}"],
+        ["status counts", json.dumps(o["status"])],
+        ["admitted TTFT p50 / p99 (ms)", ms(o["admitted_ttft_p50_s"], o["admitted_ttft_p99_s"])],
+        [
+            "429 latency p50 / p99 (ms)",
+            f"{o['rejected_latency_p50_ms']:.1f} / {o['rejected_latency_p99_ms']:.1f}",
+        ],
+        *[
+            [
+                f"RSS {k} first / last / peak (MiB)",
+                f"{v['first_mib']:.0f} / {v['last_mib']:.0f} / {v['peak_mib']:.0f} "
+                f"({v['drift']:+.1%})",
+            ]
+            for k, v in o["rss"].items()
+        ],
+        [
+            "after the load: running / waiting / KV in use",
+            f"{drain['running']} / {drain['waiting']} / {drain['kv_usage']}",
+        ],
+        ["slow readers: gateway RSS before / peak / after (MiB)", mib("gateway")],
+        ["slow readers: control plane RSS before / peak / after (MiB)", mib("control-plane")],
+        ["slow readers aborted", f"{sr['aborted']:.0f} of {a.slow_readers}"],
+        ["amplification: status, response bytes", f"{amp['status']}, {amp['response_bytes']}"],
+    ]
+    print(format_table(["", "figure"], rows))
+    write_json(a.out or RESULTS_DIR / f"overload_{a.preset}.json", report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
