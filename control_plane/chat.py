@@ -1,9 +1,12 @@
 """Chat prompts: the checkpoint's jinja chat template, rendered the way transformers does
-(sandboxed, trim_blocks + lstrip_blocks, `raise_exception` and `tojson` available)."""
+(sandboxed, trim_blocks + lstrip_blocks, `raise_exception` and `tojson` available), and where
+the messages' contents lie in the rendering (`content_spans`): the tokenizer reads special-token
+text there as plain text, so a user typing `<|im_end|>` does not end their turn."""
 
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -11,6 +14,9 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pagedserve.sampling_params import InvalidRequestError
+
+# A message's content while locating contents: noncharacters no template writes itself.
+_MARK = re.compile("\ufdd3([0-9]+)\ufdd4")
 
 
 def _raise(message: str) -> None:
@@ -46,3 +52,43 @@ def render_chat(
     except TemplateError as exc:
         raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from exc
     return text
+
+
+def content_spans(
+    template: str,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    special_tokens: dict[str, str],
+    text: str,
+) -> list[tuple[int, int]] | None:
+    """The [start, end) character ranges of `text` (render_chat's output for these messages)
+    that are message content, in order. The template is rendered again with each content
+    replaced by a mark, and that rendering is walked along `text`: the template's own text
+    must match exactly, and each mark stands for the content whole or trimmed (`| trim`).
+    None when the template does anything else to content (splits it, drops part of it)."""
+    marked = [{**m, "content": f"\ufdd3{i}\ufdd4"} for i, m in enumerate(messages)]
+    try:
+        rendered: str = _compile(template).render(
+            messages=marked, add_generation_prompt=add_generation_prompt, **special_tokens
+        )
+    except (TemplateError, InvalidRequestError):
+        return None
+    parts = _MARK.split(rendered)  # template text, message index, template text, ...
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for k in range(0, len(parts), 2):
+        if not text.startswith(parts[k], pos):
+            return None
+        pos += len(parts[k])
+        if k + 1 == len(parts):
+            break
+        content = messages[int(parts[k + 1])]["content"]
+        after = parts[k + 2]
+        for candidate in (content, content.strip()):
+            if text.startswith(candidate, pos) and text.startswith(after, pos + len(candidate)):
+                break
+        else:
+            return None
+        spans.append((pos, pos + len(candidate)))
+        pos += len(candidate)
+    return spans if pos == len(text) else None

@@ -9,6 +9,10 @@ from typing import Literal
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
 
 PREEMPTION_MODES = ("recompute", "swap")
+# What one Generate call may ask for (docs/architecture.md, "Per-request budget"): generated
+# tokens, n x max_tokens; logprob entries, each token's own and its alternatives'.
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 18
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class ControlPlaneConfig:
     async_scheduling: bool = True  # plan step n+1 while the worker runs step n
     worker_failover_s: float = 10.0  # a worker silent this long loses its requests to others
     grpc_security: GrpcSecurity = INSECURE  # for the port it serves and its worker channels
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS  # n x max_tokens of one Generate
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # logprob entries one Generate returns
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -44,6 +50,8 @@ class ControlPlaneConfig:
         if self.max_waiting is not None and self.max_waiting < 1:
             # 0 would refuse every request: admission comes before a request can run.
             raise ValueError("max_waiting must be >= 1 (or auto)")
+        if self.max_request_tokens < 1 or self.max_logprob_entries < 1:
+            raise ValueError("max_request_tokens and max_logprob_entries must be >= 1")
         if self.worker_connect_timeout_s < 0:
             raise ValueError("worker_connect_timeout_s must be >= 0 (0: no limit)")
         if not (0 < self.port < 65536):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,7 +17,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.chat import render_chat
 from control_plane.config import ControlPlaneConfig
 from control_plane.engine import EngineLoop, OutputChunk, merge_chunks
 from control_plane.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
@@ -70,6 +69,18 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, WorkerError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def logprob_entries(num_prompt_tokens: int, sampling: SamplingParams) -> int:
+    """The most logprob entries a request returns: each generated token's own and its
+    `logprobs` alternatives, for n completions, and each prompt token's and its
+    `prompt_logprobs` alternatives (sent once)."""
+    entries = 0
+    if sampling.logprobs is not None:
+        entries += sampling.n * sampling.max_tokens * (1 + sampling.logprobs)
+    if sampling.prompt_logprobs is not None:
+        entries += num_prompt_tokens * (1 + sampling.prompt_logprobs)
+    return entries
 
 
 class ControlPlane:
@@ -239,6 +250,7 @@ class ControlPlane:
                 f"prompt + max_tokens needs {blocks} KV blocks of {info.block_size} tokens, "
                 f"more than the whole KV cache of {info.num_gpu_blocks} blocks"
             )
+        self.check_budget(n, sampling)
         if "#" in req_id:
             raise InvalidRequestError("request ids must not contain '#'")
         if not self.serving:
@@ -258,6 +270,39 @@ class ControlPlane:
                 "--max-waiting sets it); retry later",
             )
         return loop
+
+    def check_budget(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """Refuses a request that asks for more generated tokens (n x max_tokens) or more
+        logprob entries than one request may have (--max-request-tokens,
+        --max-logprob-entries): what a request returns is held here, then in the gateway,
+        whole for a non-streaming one, so a few bytes of request must not ask for gigabytes."""
+        cfg = self.config
+        tokens = sampling.n * sampling.max_tokens
+        if tokens > cfg.max_request_tokens:
+            raise InvalidRequestError(
+                f"n ({sampling.n}) x max_tokens ({sampling.max_tokens}) = {tokens} tokens is "
+                f"more than one request may generate ({cfg.max_request_tokens}; the control "
+                "plane's --max-request-tokens raises it)"
+            )
+        entries = logprob_entries(num_prompt_tokens, sampling)
+        if entries > cfg.max_logprob_entries:
+            raise InvalidRequestError(
+                f"this request would return {entries} logprob entries (n x max_tokens x "
+                "(1 + logprobs), + prompt tokens x (1 + prompt_logprobs)), more than one request "
+                f"may ({cfg.max_logprob_entries}; the control plane's --max-logprob-entries "
+                "raises it)"
+            )
+
+    def default_max_tokens(
+        self, num_prompt_tokens: int, n: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> int:
+        """A chat request's max_tokens when it sets none: the rest of the context, as in
+        OpenAI's API, within the per-request budget."""
+        most = min(self.room_after(num_prompt_tokens), self.config.max_request_tokens // n)
+        if logprobs is not None:
+            prompt = 0 if prompt_logprobs is None else num_prompt_tokens * (1 + prompt_logprobs)
+            most = min(most, (self.config.max_logprob_entries - prompt) // (n * (1 + logprobs)))
+        return max(1, most)
 
     def waiting_limit(self, request_tokens: int) -> int:
         """How many requests may wait. `--max-waiting N` fixes it; by default it is as many as
@@ -283,9 +328,12 @@ class ControlPlane:
                 f"no worker has registered yet (waiting for {', '.join(sorted(self.pending))})",
             )
 
-    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of a prompt, off the event loop. A text longer than any context could
-        hold is refused before a thread spends a moment on it."""
+    async def tokenize(
+        self, text: str, add_special_tokens: bool, literal: Sequence[tuple[int, int]] = ()
+    ) -> list[int]:
+        """Token ids of a prompt, off the event loop; special-token text inside the `literal`
+        spans (chat message contents) is tokenized as text. A text longer than any context
+        could hold is refused before a thread spends a moment on it."""
         tok, info = self.tokenizer, self.info
         assert tok is not None and info is not None
         limit = info.max_model_len * tok.max_token_chars
@@ -295,7 +343,9 @@ class ControlPlane:
                 f"{info.max_model_len} tokens holds at most {limit} characters"
             )
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, tok.encode, text, add_special_tokens)
+        return await loop.run_in_executor(
+            self._tokenize_pool, tok.encode, text, add_special_tokens, literal
+        )
 
     def abort(self, req_id: str) -> bool:
         return any(loop.abort(req_id) for loop in self.loops)
@@ -344,8 +394,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             prompt_ids = await self._prompt_ids(request)
             default_max_tokens = None
             if request.WhichOneof("prompt") == "chat":
-                # A chat turn left unbounded may use the rest of the context, as in OpenAI's API.
-                default_max_tokens = cp.room_after(len(prompt_ids))
+                s = request.sampling
+                default_max_tokens = cp.default_max_tokens(
+                    len(prompt_ids),
+                    s.n or 1,
+                    s.logprobs if s.HasField("logprobs") else None,
+                    s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+                )
             sampling = wire.sampling_from_proto(request.sampling, default_max_tokens)
             salt = request.cache_salt or None
             loop = await cp.admit(req_id, prompt_ids, sampling, salt)
@@ -399,14 +454,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         assert tok is not None
         if which == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            text = render_chat(
-                tok.chat_template,
-                messages,
-                _flag(request.chat, "add_generation_prompt"),
-                tok.special_tokens,
-            )
-            # The template writes any BOS itself.
-            return await self.cp.tokenize(text, False)
+            # Special tokens only where the template writes them (any BOS included): special-
+            # token text typed in a message is tokenized as the text it is.
+            chat = tok.chat_prompt(messages, _flag(request.chat, "add_generation_prompt"))
+            return await self.cp.tokenize(chat.text, False, chat.literal)
         if which != "text":
             raise InvalidRequestError("a prompt is required: set text, token_ids or chat")
         if not request.text:
@@ -447,6 +498,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     ) -> pb.TokenizeResponse:
         cp = self.cp
         try:
+            cp.check_ready()
             _check_model(cp, request.model)
             which = request.WhichOneof("prompt")
             if which is None:
@@ -475,6 +527,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     ) -> pb.DetokenizeResponse:
         cp = self.cp
         try:
+            cp.check_ready()
             _check_model(cp, request.model)
             assert cp.info is not None and cp.tokenizer is not None
             ids = list(request.token_ids)

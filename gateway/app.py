@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from gateway.choices import Choice, expand_choices, sampling_proto, stream_choices
+from gateway.choices import Budget, Choice, expand_choices, sampling_proto, stream_choices
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_grpc, install_handlers
 from gateway.generate import respond
@@ -46,6 +46,7 @@ from gateway.schemas import (
 from gateway.upstream import Upstream
 from pagedserve import __version__
 from pagedserve.log import get_logger
+from pagedserve.sampling_params import DEFAULT_MAX_TOKENS
 from protos.v1 import control_plane_pb2 as pb
 
 log = get_logger(__name__)
@@ -86,6 +87,7 @@ class Gateway:
         self._upstream: Upstream | None = None
         self._default_model: str | None = None
         self.started = int(time.time())  # the models' `created`
+        self.budget = Budget(config.max_request_tokens, config.max_logprob_entries)
 
     @property
     def upstream(self) -> Upstream:
@@ -96,6 +98,7 @@ class Gateway:
         self._upstream = Upstream(
             self.config.control_plane,
             self.config.control_timeout_s,
+            connect_wait_s=self.config.connect_wait_s,
             security=self.config.grpc_security,
         )
 
@@ -132,6 +135,12 @@ class Gateway:
         req = pb.DetokenizeRequest(token_ids=token_ids)
         resp = await self.upstream_call(self.upstream.detokenize(req))
         return resp.text
+
+    async def prompt_length(self, text: str, add_special_tokens: bool) -> int:
+        """A text prompt's token count, as Generate will see it."""
+        req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        resp = await self.upstream_call(self.upstream.tokenize(req))
+        return len(resp.token_ids)
 
     async def upstream_call(self, call: Awaitable[T]) -> T:
         """A unary control-plane call, its gRPC errors mapped to HTTP ones."""
@@ -197,6 +206,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
         sampling = sampling_proto(body, body.logprobs)
         if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs
             sampling.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
+        prompt_entries = 0  # every choice carries its prompt's logprobs
+        if sampling.HasField("prompt_logprobs"):
+            for prompt in prompts:
+                count = (
+                    len(prompt)
+                    if not isinstance(prompt, str)
+                    else await gw.prompt_length(prompt, body.add_special_tokens)
+                )
+                prompt_entries += body.n * count * (1 + sampling.prompt_logprobs)
+        gw.budget.check(
+            len(prompts),
+            body.n,
+            body.max_tokens or DEFAULT_MAX_TOKENS,
+            body.logprobs,
+            prompt_entries,
+        )
         single = len(prompts) == 1
         choices: list[Choice] = []
         echo: dict[int, str] = {}
@@ -228,6 +253,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         shown, upstream_model = await gw.model_names(body.model)
         rid = request_id_of(request.scope)
         logprobs = body.logprobs_k()
+        # The rendered prompt's logprobs come once, counted by the control plane.
+        gw.budget.check(1, body.n, body.effective_max_tokens(), logprobs)
         base = pb.GenerateRequest(model=upstream_model, sampling=sampling_proto(body, logprobs))
         base.chat.add_generation_prompt = body.add_generation_prompt
         base.chat.messages.extend(

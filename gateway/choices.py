@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.errors import APIError, from_grpc
+from gateway.errors import APIError, bad_request, from_grpc
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SamplingFields
 from gateway.upstream import Upstream
@@ -96,6 +96,44 @@ def expand_choices(
     if n > 1:
         req.sampling.n = n
     return [Choice(first_index, n, req)]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one HTTP request may ask for, all its prompts together."""
+
+    max_request_tokens: int  # prompts x n x max_tokens (--max-request-tokens)
+    max_logprob_entries: int  # logprob entries those tokens and echoed prompts carry
+
+    def check(
+        self,
+        num_prompts: int,
+        n: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_entries: int = 0,
+    ) -> None:
+        """400 naming the limit and its flag when the request asks for more. max_tokens None
+        (a chat request without one) leaves the generated part to the control plane, whose
+        default fits its own budget; prompt_entries are the prompt logprobs the choices
+        carry (each choice its prompt's)."""
+        tokens = num_prompts * n * (max_tokens or 0)
+        if tokens > self.max_request_tokens:
+            raise bad_request(
+                f"this request asks for up to {tokens} generated tokens (prompts ({num_prompts}) "
+                f"x n ({n}) x max_tokens ({max_tokens})), more than one request may "
+                f"({self.max_request_tokens}; the gateway's --max-request-tokens raises it)",
+                "max_tokens",
+            )
+        entries = prompt_entries + (0 if logprobs is None else tokens * (1 + logprobs))
+        if entries > self.max_logprob_entries:
+            raise bad_request(
+                f"this request asks for up to {entries} logprob entries (generated tokens "
+                f"({tokens}) x (1 + logprobs ({logprobs})), + prompt tokens x (1 + "
+                f"prompt_logprobs) per choice: {prompt_entries}), more than one request may "
+                f"({self.max_logprob_entries}; the gateway's --max-logprob-entries raises it)",
+                "logprobs",
+            )
 
 
 async def stream_choices(

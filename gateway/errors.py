@@ -3,6 +3,7 @@ place where gRPC status codes from the control plane become HTTP statuses."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
@@ -68,9 +69,40 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 }
 
 
+# gRPC's own size check: "CLIENT: Sent message larger than max (17825797 vs. 16777216)".
+_TOO_LARGE = re.compile(
+    r"(?:(CLIENT|SERVER): )?(Sent|Received) message larger than max \((\d+) vs\. (\d+)\)"
+)
+
+
+def _too_large(details: str) -> APIError | None:
+    """RESOURCE_EXHAUSTED for a message past gRPC's size limit is no full queue: retrying can
+    never help. Our request too large (we could not send it, the control plane would not take
+    it) is a 413; the answer too large (a final-only completion) a 400."""
+    m = _TOO_LARGE.search(details)
+    if m is None:
+        return None
+    side, direction, size, limit = m.groups()
+    if (side == "SERVER") == (direction == "Sent"):  # the answer, on either side
+        return bad_request(
+            f"the completion ({size} bytes) exceeds the {limit}-byte limit on one message: ask "
+            "for fewer tokens or logprobs, or stream it"
+        )
+    return APIError(
+        413,
+        f"the request ({size} bytes as sent to the control plane) exceeds its limit of {limit} "
+        "bytes",
+        code="request_too_large",
+    )
+
+
 def from_grpc(exc: grpc.aio.AioRpcError, retry_after_s: int = 1) -> APIError:
     """Maps a control-plane error to the HTTP error the client sees."""
     code = exc.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        too_large = _too_large(exc.details() or "")
+        if too_large is not None:
+            return too_large
     status, type_, err_code = _GRPC_TO_HTTP.get(code, (500, "server_error", "internal_error"))
     message = exc.details() or code.name
     if status == 503:

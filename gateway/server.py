@@ -9,6 +9,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.connections import EdgeLimits, guarded_protocol
 from pagedserve.log import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -34,4 +35,13 @@ def serve(config: GatewayConfig, log_format: str | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(config.graceful_shutdown_s),
+        # h11 with read deadlines and a connection cap (gateway.connections).
+        http=guarded_protocol(
+            EdgeLimits(
+                header_timeout_s=config.http_header_timeout_s,
+                body_timeout_s=config.http_body_timeout_s,
+                max_connections=config.max_connections,
+                retry_after_s=config.retry_after_s,
+            )
+        ),
     )

@@ -47,7 +47,10 @@ class KVCache:
         self, geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_blocks: int, device: str
     ) -> None:
         if num_gpu_blocks < 1:
-            raise ValueError("the KV cache budget leaves no room for a single block")
+            raise ValueError(
+                "the KV cache budget leaves no room for a single block "
+                "(raise --kv-cache-memory or --gpu-memory-utilization)"
+            )
         g = geometry
         shape = (g.num_layers, 2, num_gpu_blocks, g.block_size, g.num_kv_heads, g.head_dim)
         self.geometry = g

@@ -225,6 +225,10 @@ def _num_device_blocks(cfg: WorkerConfig, geometry: CacheGeometry, model: Causal
     return geometry.num_blocks_for(int(total * cfg.gpu_memory_utilization) - peak)
 
 
+class WorkerStartupError(RuntimeError):
+    """The worker cannot start as configured (said in one line; nothing was served)."""
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker: Worker, model: ModelThread) -> None:
         self.worker = worker
@@ -300,7 +304,10 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
     """Loads the model and serves until the process is stopped; the calling thread runs the
     model (see ModelThread)."""
     model = ModelThread()
-    worker = build_worker(cfg)
+    try:
+        worker = build_worker(cfg)
+    except ValueError as exc:  # a checkpoint, a dtype or a pool size that cannot be served
+        raise WorkerStartupError(str(exc)) from exc
     log.info(
         "worker_ready",
         model=worker.info.model,

@@ -7,7 +7,8 @@ import argparse
 import copy
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -77,6 +78,15 @@ def _grpc_security(a: argparse.Namespace, control_plane: str | None = None) -> A
         raise SystemExit(f"pagedserve: {exc}") from None
 
 
+@contextmanager
+def _config_errors() -> Iterator[None]:
+    """A configuration the flags describe that cannot run: one line, no traceback."""
+    try:
+        yield
+    except ValueError as exc:
+        raise SystemExit(f"pagedserve: {exc}") from None
+
+
 def _check_port(host: str, port: int, flag: str = "--port") -> None:
     """Exits with one line when the port this server is about to listen on is taken."""
     from pagedserve.ports import PortError, check_port
@@ -118,34 +128,35 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from gpu_worker.checkpoint import CheckpointError
     from gpu_worker.config import WorkerConfig
     from gpu_worker.models.config import UnsupportedModelError
-    from gpu_worker.server import serve
+    from gpu_worker.server import WorkerStartupError, serve
     from pagedserve.cluster import stop_on_signals
     from pagedserve.log import configure_logging
 
     configure_logging("worker", a.log_format)
     _check_port(a.host, a.port)
     stop_on_signals()
-    cfg = WorkerConfig(
-        model=_model_dir(a.model, check_gguf=False),  # loading it checks it
-        host=a.host,
-        port=a.port,
-        device=a.device,
-        dtype=a.dtype,
-        kv_cache_dtype=a.kv_cache_dtype,
-        block_size=a.block_size,
-        kv_cache_memory=a.kv_cache_memory,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        swap_space=a.swap_space,
-        attention_backend=a.attention_backend,
-        served_model_name=a.served_model_name,
-        max_model_len=a.max_model_len,
-        num_threads=a.num_threads,
-        warmup_batch_size=a.warmup_batch_size,
-        grpc_security=_grpc_security(a),
-    )
+    with _config_errors():
+        cfg = WorkerConfig(
+            model=_model_dir(a.model, check_gguf=False),  # loading it checks it
+            host=a.host,
+            port=a.port,
+            device=a.device,
+            dtype=a.dtype,
+            kv_cache_dtype=a.kv_cache_dtype,
+            block_size=a.block_size,
+            kv_cache_memory=a.kv_cache_memory,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            swap_space=a.swap_space,
+            attention_backend=a.attention_backend,
+            served_model_name=a.served_model_name,
+            max_model_len=a.max_model_len,
+            num_threads=a.num_threads,
+            warmup_batch_size=a.warmup_batch_size,
+            grpc_security=_grpc_security(a),
+        )
     try:
         serve(cfg)
-    except (CheckpointError, UnsupportedModelError) as exc:  # while loading, before listening
+    except (CheckpointError, UnsupportedModelError, WorkerStartupError) as exc:  # before listening
         raise SystemExit(f"pagedserve: {exc}") from None
     return 0
 
@@ -159,24 +170,27 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
     configure_logging("control-plane", a.log_format)
     _check_port(a.host, a.port)
     stop_on_signals()
-    cfg = ControlPlaneConfig(
-        workers=tuple(w.strip() for w in a.workers.split(",") if w.strip()),
-        host=a.host,
-        port=a.port,
-        redis_url=a.redis_url,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        long_prefill_token_threshold=a.long_prefill_token_threshold,
-        preemption=a.preemption,
-        max_waiting=a.max_waiting,
-        tokenizer=a.tokenizer,
-        served_model_name=a.served_model_name,
-        enable_prefix_caching=not a.no_prefix_caching,
-        async_scheduling=not a.no_async_scheduling,
-        grpc_security=_grpc_security(a),
-        worker_failover_s=a.worker_failover_timeout,
-        worker_connect_timeout_s=a.worker_connect_timeout,
-    )
+    with _config_errors():
+        cfg = ControlPlaneConfig(
+            workers=tuple(w.strip() for w in a.workers.split(",") if w.strip()),
+            host=a.host,
+            port=a.port,
+            redis_url=a.redis_url,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            long_prefill_token_threshold=a.long_prefill_token_threshold,
+            preemption=a.preemption,
+            max_waiting=a.max_waiting,
+            tokenizer=a.tokenizer,
+            served_model_name=a.served_model_name,
+            enable_prefix_caching=not a.no_prefix_caching,
+            async_scheduling=not a.no_async_scheduling,
+            grpc_security=_grpc_security(a),
+            worker_failover_s=a.worker_failover_timeout,
+            worker_connect_timeout_s=a.worker_connect_timeout,
+            max_request_tokens=a.max_request_tokens,
+            max_logprob_entries=a.max_logprob_entries,
+        )
     try:
         run_until_signalled(partial(serve, cfg))
     except KeyboardInterrupt:  # before the event loop runs
@@ -190,17 +204,23 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig
     from gateway.server import serve
 
-    cfg = GatewayConfig(
-        control_plane=a.control_plane,
-        host=a.host,
-        port=a.port,
-        api_key=a.api_key or None,
-        served_model_name=a.served_model_name or None,
-        max_request_bytes=a.max_request_bytes,
-        graceful_shutdown_s=a.graceful_shutdown_timeout,
-        stream_stall_timeout_s=a.stream_stall_timeout,
-        grpc_security=_grpc_security(a, a.control_plane),
-    )
+    with _config_errors():
+        cfg = GatewayConfig(
+            control_plane=a.control_plane,
+            host=a.host,
+            port=a.port,
+            api_key=a.api_key or None,
+            served_model_name=a.served_model_name or None,
+            max_request_bytes=a.max_request_bytes,
+            graceful_shutdown_s=a.graceful_shutdown_timeout,
+            http_header_timeout_s=a.http_header_timeout,
+            http_body_timeout_s=a.http_body_timeout,
+            max_connections=a.max_connections,
+            max_request_tokens=a.max_request_tokens,
+            max_logprob_entries=a.max_logprob_entries,
+            stream_stall_timeout_s=a.stream_stall_timeout,
+            grpc_security=_grpc_security(a, a.control_plane),
+        )
     _check_port(a.host, a.port)
     serve(cfg, log_format=a.log_format)
     return 0
@@ -373,6 +393,28 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         p,
+        "--http-header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for a request's headers to arrive (from connecting or the previous "
+        "response); a late client is closed (408 if it had started)",
+    )
+    _flag(
+        p,
+        "--http-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a request's body to arrive after its headers (408 beyond)",
+    )
+    _flag(
+        p,
+        "--max-connections",
+        type=int,
+        default=1000,
+        help="open HTTP connections; one more gets 503 + Retry-After and is closed",
+    )
+    _flag(
+        p,
         "--stream-stall-timeout",
         type=float,
         default=60.0,
@@ -414,6 +456,27 @@ def _log_format(text: str) -> str:
     if text not in ("auto", "json", "console"):
         raise argparse.ArgumentTypeError(f"must be auto, json or console, got {text!r}")
     return text
+
+
+def _budget_flags(p: argparse.ArgumentParser) -> None:
+    """One request's budget: the gateway checks an HTTP request's total (all its prompts), the
+    control plane each Generate call; `up` gives both the same values."""
+    _flag(
+        p,
+        "--max-request-tokens",
+        type=int,
+        default=1 << 18,
+        help="most tokens one request may ask to generate: prompts x n x max_tokens (HTTP 400 "
+        "beyond)",
+    )
+    _flag(
+        p,
+        "--max-logprob-entries",
+        type=int,
+        default=1 << 20,
+        help="most logprob entries one request may ask for: generated tokens x (1 + logprobs), "
+        "plus prompt tokens x (1 + prompt_logprobs) (HTTP 400 beyond)",
+    )
 
 
 def _log_format_flag(p: argparse.ArgumentParser) -> None:
@@ -494,6 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(cp, "--tokenizer", default=None, help="tokenizer dir (default: the worker's model)")
     _flag(cp, "--served-model-name", default=None)
     _scheduler_flags(cp)
+    _budget_flags(cp)
     _grpc_security_flags(cp)
     _log_format_flag(cp)
     cp.set_defaults(func=cmd_control_plane)
@@ -503,6 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(gw, "--port", type=int, default=8000)
     _flag(gw, "--control-plane", default="127.0.0.1:50051", help="HOST:PORT")
     _gateway_flags(gw)
+    _budget_flags(gw)
     _grpc_security_flags(gw)
     _log_format_flag(gw)
     gw.set_defaults(func=cmd_gateway)
@@ -545,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_flags(up)
     _scheduler_flags(up)
     _gateway_flags(up)
+    _budget_flags(up)
     # A fresh random token by default; no TLS flags: `up` serves its local ports in plaintext.
     _grpc_security_flags(up, tls=False)
     _log_format_flag(up)

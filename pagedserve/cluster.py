@@ -210,7 +210,16 @@ SCHEDULER_FLAGS = [
     "worker-failover-timeout",
     "worker-connect-timeout",
 ]
-GATEWAY_FLAGS = ["max-request-bytes", "graceful-shutdown-timeout", "stream-stall-timeout"]
+# One request's budget: the gateway checks an HTTP request's total, the control plane each call.
+BUDGET_FLAGS = ["max-request-tokens", "max-logprob-entries"]
+GATEWAY_FLAGS = [
+    "max-request-bytes",
+    "graceful-shutdown-timeout",
+    "stream-stall-timeout",
+    "http-header-timeout",
+    "http-body-timeout",
+    "max-connections",
+]
 
 
 def _start_redis(a: argparse.Namespace, env: dict[str, str]) -> tuple[Child | None, str | None]:
@@ -310,7 +319,9 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
         cp_argv += ["--workers", ",".join(addresses)]
         if redis_url:
             cp_argv += ["--redis-url", redis_url]
-        cp = Child("control-plane", py + cp_argv + _passthrough(a, SCHEDULER_FLAGS), env)
+        cp = Child(
+            "control-plane", py + cp_argv + _passthrough(a, SCHEDULER_FLAGS + BUDGET_FLAGS), env
+        )
         children.append(cp)
         wait_serving(cp_address, cp)
         http_port = a.port  # decided, as every port, before anything started (ports.up_ports)
@@ -320,7 +331,9 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
         gw_env = dict(env)
         if a.api_key:  # through the environment, not argv, which `ps` shows to everyone
             gw_env["PAGEDSERVE_API_KEY"] = a.api_key
-        gateway = Child("gateway", py + gw_argv + _passthrough(a, GATEWAY_FLAGS), gw_env)
+        gateway = Child(
+            "gateway", py + gw_argv + _passthrough(a, GATEWAY_FLAGS + BUDGET_FLAGS), gw_env
+        )
         children.append(gateway)
         wait_until(lambda: http_ok(f"{url}/health"), gateway, f"{url}/health")
         print(

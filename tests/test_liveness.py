@@ -192,7 +192,7 @@ def test_control_plane_without_workers_exits_with_one_clear_line(micro_llama: Pa
     assert nowhere in last and "--worker-connect-timeout" in last, out.stderr
 
 
-@pytest.mark.parametrize("answer", ["Generate", "ListModels"])
+@pytest.mark.parametrize("answer", ["Generate", "ListModels", "Tokenize", "Detokenize"])
 def test_requests_before_any_worker_get_unavailable(
     spawn: Callable[..., ServerProcess], answer: str
 ) -> None:
@@ -215,6 +215,10 @@ def test_requests_before_any_worker_get_unavailable(
             with pytest.raises(grpc.RpcError) as err:
                 if answer == "Generate":
                     list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=5))
+                elif answer == "Tokenize":
+                    stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=5)
+                elif answer == "Detokenize":
+                    stub.Detokenize(pb.DetokenizeRequest(token_ids=[1]), timeout=5)
                 else:
                     stub.ListModels(pb.ListModelsRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

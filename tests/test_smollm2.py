@@ -169,7 +169,15 @@ def test_greedy_chat_equals_transformers(
             gguf,
             dtype="float64",
             num_gpu_blocks=24,
-            cp_args=("--max-num-batched-tokens", "32", "--long-prefill-token-threshold", "16"),
+            # All at once although the pool holds few: preemption is the point, not admission.
+            cp_args=(
+                "--max-num-batched-tokens",
+                "32",
+                "--long-prefill-token-threshold",
+                "16",
+                "--max-waiting",
+                "1024",
+            ),  # fmt: skip
         )
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(lambda p: _chat(stack, p), PROMPTS))

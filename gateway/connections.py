@@ -1,0 +1,196 @@
+"""The HTTP/1.1 connections under the app: uvicorn's h11 protocol with deadlines on reading a
+request and a cap on open connections.
+
+Uvicorn (0.54) has neither: its keep-alive timeout starts only after a response, so a client
+that connects and sends nothing, or sends its headers a byte at a time, holds a socket for
+ever; and its `limit_concurrency` counts every open connection against each request, so a
+crowd of idle sockets would turn away the clients already connected.
+
+    connection opened / previous response sent
+      │ headers: ≤ header_timeout_s ── late: closed (408 if part of a request had come)
+      ▼
+    request line and headers in
+      │ body: ≤ body_timeout_s ──────── late: 408, closed
+      ▼
+    body in, the app answers (no deadline here: generation takes what it takes)
+
+A connection opened while max_connections are open gets its request answered 503 with
+Retry-After and is closed; the connections already open go on as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import h11
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gateway.errors import APIError
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
+
+# An over-limit connection's request body is read and dropped, this long and this much at
+# most, so that a client still writing finds the 503 rather than a connection reset.
+_DRAIN_S = 0.5
+_DRAIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    retry_after_s: int
+
+
+class _Phase(enum.Enum):
+    HEADERS = "headers"
+    BODY = "body"
+
+
+class GuardedH11Protocol(H11Protocol):
+    """H11Protocol with read deadlines and a connection cap; `limits` is set by
+    `guarded_protocol`, which uvicorn's `http=` takes."""
+
+    limits: ClassVar[EdgeLimits]
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._phase: _Phase | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            _RefusalLog.refused(self.limits.max_connections)
+            self.app = _over_capacity(self.limits)
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._set_deadline(None)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def _follow(self) -> None:
+        """Arms the deadline of what the connection now waits for from the client."""
+        state = self.conn.their_state
+        phase = (
+            _Phase.HEADERS if state is h11.IDLE else _Phase.BODY if state is h11.SEND_BODY else None
+        )
+        if phase is not self._phase:
+            self._set_deadline(phase)
+
+    def _set_deadline(self, phase: _Phase | None) -> None:
+        self._phase = phase
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if phase is not None and not self.transport.is_closing():
+            self._deadline = self.loop.call_later(self._limit(phase), self._timed_out, phase)
+
+    def _limit(self, phase: _Phase) -> float:
+        if phase is _Phase.HEADERS:
+            return self.limits.header_timeout_s
+        return self.limits.body_timeout_s
+
+    def _timed_out(self, phase: _Phase) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        partial = phase is _Phase.BODY or bool(self.conn.trailing_data[0])
+        if partial:
+            # A quiet connection is simply closed; a half-sent request hears why.
+            timeout = self._limit(phase)
+            log.info("http_read_timeout", part=phase.value, timeout_s=timeout)
+            # Waiting for headers, the previous response (if any) is complete; waiting for a
+            # body, the app may have answered already (a 401 does not read the body).
+            answered = (
+                phase is _Phase.BODY and self.cycle is not None and self.cycle.response_started
+            )
+            if not answered:
+                flag = "--http-header-timeout" if phase is _Phase.HEADERS else "--http-body-timeout"
+                err = APIError(
+                    408,
+                    f"the request's {phase.value} did not arrive within {timeout:g} s ({flag})",
+                    type="timeout_error",
+                    code="request_timeout",
+                )
+                self.transport.write(_raw_response(408, b"Request Timeout", err.body()))
+        if self.cycle is not None:
+            # The app (waiting for the body) hears http.disconnect; what it sends is dropped.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.close()
+
+
+class _RefusalLog:
+    """One warning a second at most under a flood, with the count since the last."""
+
+    count = 0
+    logged_at = 0.0
+
+    @classmethod
+    def refused(cls, max_connections: int) -> None:
+        cls.count += 1
+        now = time.monotonic()
+        if now - cls.logged_at >= 1.0:
+            log.warning("connections_refused", count=cls.count, max_connections=max_connections)
+            cls.count, cls.logged_at = 0, now
+
+
+def guarded_protocol(limits: EdgeLimits) -> type[GuardedH11Protocol]:
+    """The protocol class for uvicorn's `http=`, with these limits."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+
+
+def _raw_response(status: int, reason: bytes, body: dict[str, Any]) -> bytes:
+    """A whole response that closes the connection, written below h11 (which, with no request
+    read, has nothing to answer)."""
+    data = json.dumps(body, separators=(",", ":")).encode()
+    head = (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n" % (status, reason, len(data))
+    )
+    return head + data
+
+
+def _over_capacity(limits: EdgeLimits) -> Any:
+    """The ASGI app that answers a connection over the cap."""
+    err = APIError(
+        503,
+        f"the gateway has {limits.max_connections} connections open, its limit (--max-connections)",
+        type="server_error",
+        code="service_unavailable",
+        headers={"Retry-After": str(limits.retry_after_s), "Connection": "close"},
+    )
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            async with asyncio.timeout(_DRAIN_S):
+                read = 0
+                while read <= _DRAIN_BYTES:
+                    message = await receive()
+                    read += len(message.get("body", b""))
+                    if message["type"] != "http.request" or not message.get("more_body"):
+                        break
+        except TimeoutError:
+            pass
+        await err.response()(scope, receive, send)
+
+    return app
