@@ -198,6 +198,8 @@ class ControlPlane:
             await self.router.add(loop)
         loop.start()
         self.loops.append(loop)
+        # In the order the workers are listed, whichever registered first (stats, tie-breaks).
+        self.loops.sort(key=lambda lp: self.config.workers.index(lp.client.address))
         self.pending.discard(client.address)
         if first is None:
             self.info = info

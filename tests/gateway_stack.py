@@ -43,6 +43,20 @@ class HttpProcess(ServerProcess):
         raise TimeoutError(f"{self.name} not ready:\n{self.output()[-4000:]}")
 
 
+def gateway_process(control_plane: str, *args: str) -> HttpProcess:
+    """A gateway in front of the control plane at `control_plane` on a free port, ready; the
+    caller stops it."""
+    url = f"http://127.0.0.1:{free_port()}"
+    argv = ["gateway", "--port", url.rsplit(":", 1)[1], "--control-plane", control_plane]
+    gw = HttpProcess("gateway", [*argv, *args], url)
+    try:
+        gw.wait_ready()
+    except BaseException:
+        gw.stop()
+        raise
+    return gw
+
+
 class RedisServer:
     def __init__(self) -> None:
         binary = shutil.which("redis-server")

@@ -23,6 +23,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 180.0) -> list[str]:
+    """Lines of proc's output up to the first that holds `marker`, or up to its end or the
+    timeout (a line in progress then is waited for)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if marker in line:
+            break
+    return lines
+
+
 class ServerProcess:
     """`env` is added to the process's environment; `security` is what its health check needs
     (TLS: the token is not needed for health)."""

@@ -16,8 +16,8 @@ import pytest
 
 from control_plane.tokenizer import load_tokenizer
 from protos.v1 import control_plane_pb2 as pb
-from tests.gateway_stack import HttpProcess
-from tests.procs import ServerProcess, free_port
+from tests.gateway_stack import gateway_process
+from tests.procs import ServerProcess
 from tests.stack import request, start_stack
 
 
@@ -105,14 +105,9 @@ def test_default_queue_bound_answers_429_with_retry_after(
     # 8 blocks of 16 tokens: at their full length (prompt + max_tokens) one request fits the
     # pool at a time, so by default one may wait; the rest are told at once to come back.
     stack = start_stack(spawn, micro_llama, num_gpu_blocks=8, num_cpu_blocks=8)
-    url = f"http://127.0.0.1:{free_port()}"
-    gw = HttpProcess(
-        "gateway",
-        ["gateway", "--port", url.rsplit(":", 1)[1], "--control-plane", stack.address],
-        url,
-    )
+    gw = gateway_process(stack.address)
+    url = gw.url
     try:
-        gw.wait_ready()
         body = {"prompt": [5] * 20, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
 
         def post(_: int) -> httpx.Response:

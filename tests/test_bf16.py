@@ -163,7 +163,8 @@ def test_bf16_under_swap_preemption(
     for blocks in (512, 40):
         stack = start_stack(
             spawn, model_dir, dtype="bfloat16", num_gpu_blocks=blocks, num_cpu_blocks=512,
-            cp_args=("--preemption", "swap", "--max-num-seqs", "12"),
+            # All at once, more than the pool holds: swapping is the point, not admission.
+            cp_args=("--preemption", "swap", "--max-num-seqs", "12", "--max-waiting", "1024"),
         )  # fmt: skip
 
         def one(prompt: list[int], stack: Stack = stack) -> Output:

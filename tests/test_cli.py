@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.cli import build_parser, parse_bytes
-from tests.procs import free_port
+from tests.procs import free_port, read_until
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -55,14 +55,7 @@ def test_up_default_model_then_generate_and_stats(tmp_path: Path) -> None:
     lines: list[str] = []
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "pagedserve is up" in line:
-                break
+        lines += read_until(proc, "pagedserve is up", 180)
         assert any("pagedserve is up" in x for x in lines), "".join(lines)[-3000:]
         # Child output is prefixed with the process name.
         assert any(x.lstrip().startswith("worker-0 |") for x in lines)

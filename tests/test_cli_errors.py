@@ -21,7 +21,7 @@ from pagedserve import ports
 from pagedserve.cluster import try_curl
 from pagedserve.ports import PortError, PortRequest, choose_ports, up_ports
 from tests.gateway_stack import HttpProcess
-from tests.procs import ServerProcess, free_port
+from tests.procs import ServerProcess, free_port, read_until
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -268,14 +268,7 @@ def test_up_with_console_logs_and_an_api_key(micro_llama: Path) -> None:
     lines: list[str] = []
     assert proc.stdout is not None
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("try: curl"):
-                break
+        lines += read_until(proc, "try: curl", 120)
         text = "".join(lines)
         assert lines and lines[-1].startswith("try: curl"), text[-3000:]
         worker = [x for x in lines if x.lstrip().startswith("worker-0 |")]

@@ -13,13 +13,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.procs import free_port
+from tests.procs import free_port, read_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,14 +47,7 @@ def test_up_serves_the_readme_example_and_drains(micro_llama: Path) -> None:
     lines: list[str] = []
     assert proc.stdout is not None
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "pagedserve is up" in line:
-                break
+        lines += read_until(proc, "pagedserve is up", 120)
         url = f"http://127.0.0.1:{http_port}"
         assert any(f"pagedserve is up: {url}" in x for x in lines), "".join(lines)[-3000:]
         assert any(x.lstrip().startswith("redis |") for x in lines), "redis-server not started"

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.gateway_stack import HttpProcess
+from tests.gateway_stack import gateway_process
 from tests.oracle import hf_greedy
 from tests.procs import ServerProcess, free_port
 from tests.stack import Stack, generate, greedy_to_length, start_stack, worker_cli_args
@@ -53,14 +53,9 @@ def test_worker_dead_while_idle_is_noticed(
     spawn: Callable[..., ServerProcess], micro_llama: Path
 ) -> None:
     stack = start_stack(spawn, micro_llama)
-    url = f"http://127.0.0.1:{free_port()}"
-    gw = HttpProcess(
-        "gateway",
-        ["gateway", "--port", url.rsplit(":", 1)[1], "--control-plane", stack.address],
-        url,
-    )
+    gw = gateway_process(stack.address)
+    url = gw.url
     try:
-        gw.wait_ready()
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         generate(stack.stub, [5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
         kill(stack.worker)

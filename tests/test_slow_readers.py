@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway_stack import HttpProcess
-from tests.procs import ServerProcess, free_port
+from tests.gateway_stack import gateway_process
+from tests.procs import ServerProcess
 from tests.stack import start_stack
 
 STALL_S = 1
@@ -47,17 +47,9 @@ def test_never_reading_clients_are_bounded_then_aborted(
     spawn: Callable[..., ServerProcess], micro_llama: Path
 ) -> None:
     stack = start_stack(spawn, micro_llama, num_gpu_blocks=512)
-    port = free_port()
-    gw = HttpProcess(
-        "gateway",
-        [
-            "gateway", "--port", str(port), "--control-plane", stack.address,
-            "--stream-stall-timeout", str(STALL_S),
-        ],
-        f"http://127.0.0.1:{port}",
-    )  # fmt: skip
+    gw = gateway_process(stack.address, "--stream-stall-timeout", str(STALL_S))
+    port = int(gw.url.rsplit(":", 1)[1])
     try:
-        gw.wait_ready()
         total_blocks = stack.stats().workers[0].num_free_gpu_blocks
         before = rss_mib(gw.proc.pid)
         body = {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.procs import free_port
+from tests.procs import free_port, read_until
 
 
 def pid_listening_as_worker(port: int) -> int:
@@ -69,14 +69,7 @@ def test_up_restarts_a_worker_that_dies_and_keeps_serving(micro_llama: Path) -> 
     assert proc.stdout is not None
     url = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "pagedserve is up" in line:
-                break
+        lines += read_until(proc, "pagedserve is up", 180)
         assert any("pagedserve is up" in x for x in lines), "".join(lines)[-3000:]
         threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
         assert healthy_workers(url) == 2
