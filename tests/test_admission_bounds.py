@@ -129,3 +129,15 @@ def test_default_queue_bound_answers_429_with_retry_after(
                 assert r.json()["choices"][0]["finish_reason"] == "length"
     finally:
         gw.stop()
+
+
+def test_max_waiting_zero_is_refused_at_start() -> None:
+    """0 would refuse every request (each waits for its first step): said at once."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pagedserve.cli", "control-plane", "--workers", "127.0.0.1:1"]
+    out = subprocess.run([*cmd, "--max-waiting", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--max-waiting: must be >= 1 or auto, got 0" in out.stderr
+    assert "Traceback" not in out.stderr
