@@ -54,6 +54,33 @@ def readme_examples(path: str = "README.md", heading: str = "## Try it") -> list
     return examples
 
 
+# Commands of "Try it" shown without output that cannot run here as written: they start another
+# cluster on a placeholder path or convert a placeholder file.
+PLACEHOLDERS = ("/path/to/", "model.gguf")
+
+
+def readme_commands() -> list[str]:
+    """The bash blocks of the README's "Try it" that show no output, one command a line (a
+    trailing backslash continues it), except those on placeholder paths."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Try it")
+    section = text[start : text.index("\n## ", start + 1)]
+    blocks = [(m[1], m[2], m.start(), m.end()) for m in FENCE.finditer(section)]
+    shown = {
+        code
+        for (lang, code, _, stop), (out_lang, _, out_start, _) in itertools.pairwise(blocks)
+        if out_lang in ("json", "text") and not section[stop:out_start].strip()
+    }
+    commands = []
+    for lang, code, _, _ in blocks:
+        if lang != "bash" or code in shown:
+            continue
+        for command in code.replace("\\\n", " ").splitlines():
+            if command.strip() and not any(p in command for p in PLACEHOLDERS):
+                commands.append(command.split("#")[0].strip())
+    return commands
+
+
 def contains(actual: Any, expected: Any, path: str = "") -> None:
     """Every key and value of `expected` is in `actual` (lists: item by item)."""
     if isinstance(expected, dict):
@@ -175,6 +202,23 @@ def test_readme_example_prints_what_the_readme_shows(
         contains(json.loads(stdout), json.loads(example.output))
     else:
         assert stdout.strip() == _ports(example.output, cluster).strip()
+
+
+def test_the_readme_commands_without_output_are_walked_too() -> None:
+    commands = readme_commands()
+    assert any(c.startswith("curl -N") for c in commands)
+    assert any(" stats " in c for c in commands)
+
+
+@pytest.mark.parametrize("index", range(len(readme_commands())))
+def test_readme_command_runs(cluster: dict[str, str], index: int, tmp_path: Path) -> None:
+    command = readme_commands()[index]
+    stdout = _run(Example("bash", command, "text", ""), cluster, tmp_path)
+    assert stdout.strip(), command
+    if '"stream": true' in command:  # a stream a user reads to its end
+        events = [line for line in stdout.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) > 2
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_special_tokens_are_shown_when_asked(cluster: dict[str, str]) -> None:
