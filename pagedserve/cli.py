@@ -163,7 +163,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
 
 def cmd_control_plane(a: argparse.Namespace) -> int:
     from control_plane.config import ControlPlaneConfig
-    from control_plane.server import WorkersUnreachable, serve
+    from control_plane.plane import WorkersUnreachable
+    from control_plane.server import serve
     from pagedserve.cluster import run_until_signalled, stop_on_signals
     from pagedserve.log import configure_logging
 
