@@ -59,7 +59,10 @@ class KVCache:
         self.kv = torch.zeros(shape, dtype=g.dtype, device=device)
         cpu_shape = (g.num_layers, 2, num_cpu_blocks, g.block_size, g.num_kv_heads, g.head_dim)
         pin = torch.device(device).type == "cuda"
-        self.cpu_kv = torch.zeros(cpu_shape, dtype=g.dtype, pin_memory=pin)
+        # Left uninitialised: a swap block is always written whole (a GPU block swapped out)
+        # before it is read, and pages never written cost no memory, so an unused swap pool
+        # (recompute preemption, the default) takes none.
+        self.cpu_kv = torch.empty(cpu_shape, dtype=g.dtype, pin_memory=pin)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of one layer, each [num_blocks, block_size, heads, dim]."""

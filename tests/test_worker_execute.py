@@ -68,3 +68,18 @@ def test_a_contradicting_plan_ends_the_stream_with_invalid_argument(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "nobody" in (err.value.details() or "")
     assert len(_run(stub, _plans())) == 4  # the worker serves the next stream
+
+
+def test_an_unused_swap_pool_takes_no_memory(
+    spawn: Callable[..., ServerProcess], micro_llama: Path
+) -> None:
+    """The host swap pool is reserved, not touched: with recompute preemption (the default) it
+    costs nothing, whatever --swap-space says."""
+    port = free_port()
+    args = worker_cli_args(micro_llama, port, 64, 64, "float32")
+    swap = args.index("--swap-space")
+    args[swap + 1] = str(1 << 30)
+    worker = spawn("worker", *args, ready_address=f"127.0.0.1:{port}")
+    with open(f"/proc/{worker.proc.pid}/status") as f:
+        rss = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+    assert rss < 900 << 20, f"worker RSS {rss >> 20} MiB with an untouched 1 GiB swap pool"
