@@ -46,6 +46,9 @@ MAX_CONSECUTIVE_FAILURES = 3
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 SILENT_UNHEALTHY_S = 3.0
+# A step result is overdue (the worker answers probes but its model thread is stuck) after
+# the failover timeout, or this many times its recent slowest step if that is longer.
+STEP_DEADLINE_FACTOR = 10.0
 
 
 @dataclass
@@ -202,6 +205,8 @@ class EngineLoop:
         self._consecutive_failures = 0
         self._watch_task: asyncio.Task[None] | None = None
         self._last_answer = time.monotonic()  # a probe answered or a step result arrived
+        self._waiting_since = time.monotonic()  # the oldest plan in flight has waited since
+        self._step_s = 0.0  # the worker's recent slowest step (a decaying maximum)
         self._recovering = False  # the worker was lost; the run loop waits for it to answer
         self._silent = False  # out of placement for silence alone, not lost yet
         self._lost: tuple[str, bool] | None = None  # (why, hand off at once), for the run loop
@@ -298,6 +303,7 @@ class EngineLoop:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name=f"engine-{self.client.address}")
+        self._task.add_done_callback(self._run_ended)
         self._watch_task = asyncio.create_task(self.watch(), name=f"watch-{self.client.address}")
 
     async def stop(self) -> None:
@@ -310,6 +316,18 @@ class EngineLoop:
                     pass
         await self.client.close()
 
+    def _run_ended(self, task: asyncio.Task[None]) -> None:
+        """The run loop never ends but by stop(); should a bug end it, its requests fail with
+        an error rather than hang, and the worker leaves placement."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("engine_loop_died", worker=self.client.address, error=repr(exc))
+        self.healthy = False
+        self._recovering = True
+        assert exc is not None
+        self._fail_all(exc)
+
     async def watch(self) -> None:
         """Probes the worker every PROBE_INTERVAL_S, whether or not it has work: a worker that
         died idle is noticed within a probe, not at the next request, and one that hangs in a
@@ -318,6 +336,11 @@ class EngineLoop:
             await asyncio.sleep(PROBE_INTERVAL_S)
             probe = await self.client.probe(PROBE_TIMEOUT_S)
             now = time.monotonic()
+            waited = now - self._waiting_since
+            deadline = max(self.failover_after_s, STEP_DEADLINE_FACTOR * self._step_s)
+            if self._in_flight and not self._recovering and waited >= deadline:
+                self._lose(f"no step result for {waited:.1f} s", hand_off_now=True)
+                continue
             if probe is Probe.ANSWERED:
                 self._last_answer = now
                 if self._silent:
@@ -399,6 +422,7 @@ class EngineLoop:
         hands the requests to another worker, or fails them if there is none."""
         if hand_off_now:
             log.error("worker_lost", worker=self.client.address, error=str(exc))
+        self.client.clear_interrupt()  # what was in flight is dropped; new streams may start
         self._recovering = True
         self.healthy = False
         self._restart_scheduler()
@@ -424,7 +448,8 @@ class EngineLoop:
             await self._schedule_and_send()
         plan = self._in_flight[0]
         result = await self.client.receive(plan)
-        self._last_answer = time.monotonic()
+        self._last_answer = self._waiting_since = time.monotonic()
+        self._step_s = max(result.total_time_s, 0.9 * self._step_s)
         self._in_flight.popleft()
         self.counters.num_steps += 1
         if result.prompt_logprobs:
@@ -447,6 +472,8 @@ class EngineLoop:
         self._step_id += 1
         plan.step_id = self._step_id
         await self.client.send(plan)
+        if not self._in_flight:
+            self._waiting_since = time.monotonic()
         self._in_flight.append(plan)
         return True
 
@@ -581,7 +608,10 @@ class EngineLoop:
         try:
             self.scheduler.add_request(r)
         except (InvalidRequestError, ValueError) as exc:  # this pool is too small for it
-            stream = self.streams.pop(r.parent_id or r.req_id, None)
+            client_id = r.parent_id or r.req_id
+            # Siblings already requeued would generate for nobody.
+            self.scheduler.finish_requests([client_id], RequestStatus.FINISHED_ABORTED)
+            stream = self.streams.pop(client_id, None)
             if stream is not None and not stream.finished:
                 stream.finished = True
                 stream.queue.put_nowait(exc)

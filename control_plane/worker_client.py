@@ -43,23 +43,33 @@ class WorkerClient:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._interrupt: asyncio.Future[str] | None = None  # set: the stream is given up
+        # Why the stream was given up (interrupt), until the engine has dealt with it: every
+        # send and receive meanwhile fails at once.
+        self._given_up: str | None = None
+        self._given_up_event = asyncio.Event()
 
     async def probe(self, timeout: float) -> Probe:
-        """One health check, never waiting for a connection."""
+        """One health check, never waiting for a connection. A worker that answers anything
+        but SERVING (it is shutting down) counts as down."""
         try:
-            await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            resp = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             silent = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             return Probe.SILENT if silent else Probe.DOWN
-        return Probe.ANSWERED
+        serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+        return Probe.ANSWERED if serving else Probe.DOWN
 
     def interrupt(self, why: str) -> None:
-        """Gives up the Execute stream: a receive() waiting on it raises WorkerError(why) now,
-        and whatever the worker still sends on it is never read."""
-        if self._interrupt is not None and not self._interrupt.done():
-            self._interrupt.set_result(why)
+        """Gives up the Execute stream: a send or receive waiting on it raises WorkerError(why)
+        now, as does every one after until clear_interrupt(), and whatever the worker still
+        sends on it is never read."""
+        self._given_up = why
+        self._given_up_event.set()
         self.reset_stream()
+
+    def clear_interrupt(self) -> None:
+        self._given_up = None
+        self._given_up_event.clear()
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return await self.stub.Describe(
@@ -68,6 +78,8 @@ class WorkerClient:
 
     async def send(self, plan: StepPlan) -> None:
         """Writes a plan to the Execute stream; its result is read with receive()."""
+        if self._given_up is not None:
+            raise self._failed(self._given_up)
         try:
             if self._call is None:
                 self._call = self.stub.Execute()
@@ -76,18 +88,27 @@ class WorkerClient:
             raise self._failed(f"{exc.code().name}: {exc.details()}") from exc
         except asyncio.InvalidStateError as exc:  # the stream ended while we were idle
             raise self._failed("the Execute stream has ended") from exc
+        except asyncio.CancelledError as exc:
+            # A write blocked by flow control raises this when interrupt() cancels the call;
+            # the task's own cancellation (stopping) goes on as it is.
+            task = asyncio.current_task()
+            if self._given_up is None or (task is not None and task.cancelling()):
+                raise
+            raise self._failed(self._given_up) from exc
 
     async def receive(self, plan: StepPlan) -> StepResult:
         """Reads the result of the plan sent last."""
+        if self._given_up is not None:
+            raise self._failed(self._given_up)
         if self._call is None:
             raise WorkerError(f"worker {self.address}: no plan is in flight")
-        if self._interrupt is None or self._interrupt.done():
-            self._interrupt = asyncio.get_running_loop().create_future()
         read = asyncio.ensure_future(self._call.read())
-        await asyncio.wait((read, self._interrupt), return_when=asyncio.FIRST_COMPLETED)
-        if self._interrupt.done():  # given up: even a result that came meanwhile is dropped
+        given_up = asyncio.ensure_future(self._given_up_event.wait())
+        await asyncio.wait((read, given_up), return_when=asyncio.FIRST_COMPLETED)
+        given_up.cancel()
+        if self._given_up is not None:  # even a result that came meanwhile is dropped
             read.cancel()
-            raise self._failed(self._interrupt.result())
+            raise self._failed(self._given_up)
         try:
             msg = read.result()
         except grpc.aio.AioRpcError as exc:
