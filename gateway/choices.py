@@ -161,6 +161,9 @@ async def stream_choices(
     stalled: list[APIError] = []
 
     async def put(item: ChoiceEvent | APIError | None) -> None:
+        if not queue.full():  # the common case: no timer, no task
+            queue.put_nowait(item)
+            return
         try:
             await asyncio.wait_for(queue.put(item), stall_timeout_s)
         except TimeoutError:

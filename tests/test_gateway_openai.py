@@ -229,8 +229,9 @@ def test_client_dropping_mid_stream_frees_its_blocks(gs: GatewayStack) -> None:
             assert not gs.all_blocks_free()
         # Leaving the block closes the connection mid-stream.
     start = time.monotonic()
-    assert gs.wait_all_blocks_free(1.0), "blocks not back within 1 s of the disconnect"
-    assert time.monotonic() - start < 1.0
+    # At once, give or take a loaded 2-core machine (the worker keeps both cores busy).
+    assert gs.wait_all_blocks_free(2.0), "blocks not back within 2 s of the disconnect"
+    assert time.monotonic() - start < 2.0
     assert gs.stack.stats().num_requests_aborted >= aborted + 1  # one request, n = 2
 
 
