@@ -62,10 +62,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         stream = None
         try:
             cp.check_ready()
-            if request.model and request.model != cp.model_name:
-                raise AdmissionError(
-                    grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here"
-                )
+            _check_model(cp, request.model)
             prompt_ids = await self._prompt_ids(request)
             default_max_tokens = None
             if request.WhichOneof("prompt") == "chat":

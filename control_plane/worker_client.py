@@ -46,7 +46,9 @@ class WorkerClient:
         # Why the stream was given up (interrupt), until the engine has dealt with it: every
         # send and receive meanwhile fails at once.
         self._given_up: str | None = None
-        self._given_up_event = asyncio.Event()
+        # Resolved by interrupt(): what a receive() waits on beside the read (one future per
+        # stream's life, not one per step).
+        self._given_up_waiter: asyncio.Future[None] | None = None
 
     async def probe(self, timeout: float) -> Probe:
         """One health check, never waiting for a connection. A worker that answers anything
@@ -64,12 +66,13 @@ class WorkerClient:
         now, as does every one after until clear_interrupt(), and whatever the worker still
         sends on it is never read."""
         self._given_up = why
-        self._given_up_event.set()
+        if self._given_up_waiter is not None and not self._given_up_waiter.done():
+            self._given_up_waiter.set_result(None)
         self.reset_stream()
 
     def clear_interrupt(self) -> None:
         self._given_up = None
-        self._given_up_event.clear()
+        self._given_up_waiter = None
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return await self.stub.Describe(
@@ -102,10 +105,10 @@ class WorkerClient:
             raise self._failed(self._given_up)
         if self._call is None:
             raise WorkerError(f"worker {self.address}: no plan is in flight")
+        if self._given_up_waiter is None:
+            self._given_up_waiter = asyncio.get_running_loop().create_future()
         read = asyncio.ensure_future(self._call.read())
-        given_up = asyncio.ensure_future(self._given_up_event.wait())
-        await asyncio.wait((read, given_up), return_when=asyncio.FIRST_COMPLETED)
-        given_up.cancel()
+        await asyncio.wait((read, self._given_up_waiter), return_when=asyncio.FIRST_COMPLETED)
         if self._given_up is not None:  # even a result that came meanwhile is dropped
             read.cancel()
             raise self._failed(self._given_up)
