@@ -27,9 +27,11 @@ Sharing and copy-on-write: `fork` lets a child reference all of a parent's block
 token slots writable, gives the request a fresh copy of every shared block in the written range
 and returns the copy ops; the last holder (refcount 1) writes in place. In practice the only
 block ever copied is the partially filled last block of a fork, on each child's first write
-into it (the last child to write finds refcount 1 and keeps it). Swapping moves only one
-request: every block in its table gets a fresh block in the other pool, so two requests sharing
-a block that are swapped out hold separate CPU copies.
+into it (the last child to write finds refcount 1 and keeps it). Beam search re-forks at every
+step: `reassign` gives each next beam its source beam's table, and unselected tables are
+released. Swapping moves a request, or a group of requests at once: each distinct block gets
+one block in the other pool, so blocks shared within the group stay shared (two requests
+swapped out separately hold separate copies).
 """
 
 from __future__ import annotations
@@ -299,6 +301,24 @@ class BlockManager:
         assert new_blocks is not None
         return SlotReservation(new_blocks, copies)
 
+    def num_blocks_to_reserve(self, ranges: list[tuple[str, int, int]]) -> int:
+        """Free blocks that `reserve_slots` would take for each (req_id, num_computed_tokens,
+        num_tokens_total) in turn: copies of shared blocks (the last holder writing in place)
+        and appended blocks."""
+        bs = self.block_size
+        refcounts: dict[int, int] = {}
+        total = 0
+        for req_id, start, end in ranges:
+            table = self._gpu_tables.get(req_id, [])
+            for i in range(start // bs, min(self.num_blocks_for(end), len(table))):
+                b = table[i]
+                rc = refcounts.get(b, self.gpu.refcounts[b])
+                if rc > 1:
+                    total += 1
+                    refcounts[b] = rc - 1
+            total += self.num_blocks_to_allocate(req_id, end)
+        return total
+
     def free(self, req_id: str) -> None:
         """Release the request's blocks in whichever pool holds them; unknown ids are a no-op.
         Cached blocks stay findable until they are reallocated."""
@@ -308,8 +328,9 @@ class BlockManager:
         if (table := self._cpu_tables.pop(req_id, None)) is not None:
             self.cpu.release(table)
 
-    def fork(self, parent_req_id: str, child_req_id: str) -> None:
-        """Give the child a table sharing every block of the parent's (refcount + 1).
+    def fork(self, parent_req_id: str, child_req_id: str, num_blocks: int | None = None) -> None:
+        """Give the child a table sharing every block of the parent's (refcount + 1), or its
+        first num_blocks.
 
         The child lives in the parent's pool. Shared blocks are read-only: write through
         `reserve_slots`, which copies a shared block before the first write into it.
@@ -321,62 +342,101 @@ class BlockManager:
             if parent_req_id in self._cpu_tables
             else (self.gpu, self._gpu_tables)
         )
-        table = tables.get(parent_req_id, [])
+        table = tables.get(parent_req_id, [])[:num_blocks]
         pool.incref(table)
         tables[child_req_id] = list(table)
         if parent_req_id in self._num_offered:
-            self._num_offered[child_req_id] = self._num_offered[parent_req_id]
+            self._num_offered[child_req_id] = min(self._num_offered[parent_req_id], len(table))
+
+    def reassign(self, sources: dict[str, str]) -> None:
+        """Each key's table becomes a copy of its value's table as it was before any of them
+        changed (beam search: next beam <- the beam it extends). Every key's and value's old
+        table is released, after the new ones took their references, so blocks no new table
+        holds go back to the free queue. The tables live in whichever pool holds the sources;
+        requests holding no blocks (waiting) stay without."""
+        if not sources:
+            return
+        in_cpu = any(src in self._cpu_tables for src in sources.values())
+        pool, tables = (self.cpu, self._cpu_tables) if in_cpu else (self.gpu, self._gpu_tables)
+        new = {dst: list(tables[src]) for dst, src in sources.items() if src in tables}
+        offered = {
+            dst: self._num_offered[src] for dst, src in sources.items() if src in self._num_offered
+        }
+        for table in new.values():
+            pool.incref(table)
+        for req_id in {*sources, *sources.values()}:
+            if (old := tables.pop(req_id, None)) is not None:
+                pool.release(old)
+            self._num_offered.pop(req_id, None)
+        tables.update(new)
+        if not in_cpu:
+            self._num_offered.update(offered)
 
     # -- swapping ---------------------------------------------------------------------------
 
-    def swap_out(self, req_id: str) -> list[BlockMove] | None:
-        """Move the request's blocks GPU → CPU; moves are (gpu_block, cpu_block) in table order.
+    def swap_out(self, req_ids: str | list[str]) -> list[BlockMove] | None:
+        """Move the blocks of a request, or of a group of requests together, GPU → CPU; moves
+        are (gpu_block, cpu_block), one per distinct block, in table order.
 
         None, changing nothing, if the CPU pool lacks free blocks. The GPU blocks are released
         tail-first and may be reused in the same step: the worker swaps out before reusing.
         """
-        if req_id in self._cpu_tables:
-            raise ValueError(f"request {req_id} is already swapped out")
-        moves = self._move(req_id, self.gpu, self._gpu_tables, self.cpu, self._cpu_tables)
+        ids = [req_ids] if isinstance(req_ids, str) else req_ids
+        if swapped := [r for r in ids if r in self._cpu_tables]:
+            raise ValueError(f"request {swapped[0]} is already swapped out")
+        moves = self._move(ids, self.gpu, self._gpu_tables, self.cpu, self._cpu_tables)
         if moves is not None:
-            self._num_offered.pop(req_id, None)
+            for r in ids:
+                self._num_offered.pop(r, None)
         return moves
 
-    def can_swap_in(self, req_id: str, num_tokens_total: int = 0) -> bool:
-        """True if the swapped request's blocks, plus the blocks it would need to cover
-        `num_tokens_total` slots, fit in the free GPU blocks."""
-        table = self._cpu_tables.get(req_id)
-        if table is None:
+    def can_swap_in(
+        self, req_ids: str | list[str], num_tokens_total: int = 0, extra_blocks: int = 0
+    ) -> bool:
+        """True if the swapped request's blocks (a group's distinct blocks), plus the blocks
+        each would need to cover `num_tokens_total` slots, plus extra_blocks, fit in the free
+        GPU blocks."""
+        ids = [req_ids] if isinstance(req_ids, str) else req_ids
+        if any(r not in self._cpu_tables for r in ids):
             return False
-        needed = len(table) + self.num_blocks_to_allocate(req_id, num_tokens_total)
-        return needed <= self.gpu.num_free
+        distinct = {b for r in ids for b in self._cpu_tables[r]}
+        grow = sum(self.num_blocks_to_allocate(r, num_tokens_total) for r in ids)
+        return len(distinct) + grow + extra_blocks <= self.gpu.num_free
 
-    def swap_in(self, req_id: str) -> list[BlockMove] | None:
-        """Move the request's blocks CPU → GPU; moves are (cpu_block, gpu_block) in table order.
+    def swap_in(self, req_ids: str | list[str]) -> list[BlockMove] | None:
+        """Move the blocks of a request, or of a group together, CPU → GPU; moves are
+        (cpu_block, gpu_block), one per distinct block, in table order.
 
         None, changing nothing, if the GPU pool lacks free blocks. The new GPU blocks are
         offered to the prefix cache again by the next `cache_full_blocks`.
         """
-        if req_id not in self._cpu_tables:
-            raise ValueError(f"request {req_id} is not swapped out")
-        return self._move(req_id, self.cpu, self._cpu_tables, self.gpu, self._gpu_tables)
+        ids = [req_ids] if isinstance(req_ids, str) else req_ids
+        if missing := [r for r in ids if r not in self._cpu_tables]:
+            raise ValueError(f"request {missing[0]} is not swapped out")
+        return self._move(ids, self.cpu, self._cpu_tables, self.gpu, self._gpu_tables)
 
     def _move(
         self,
-        req_id: str,
+        req_ids: list[str],
         src: BlockPool,
         src_tables: dict[str, list[int]],
         dst: BlockPool,
         dst_tables: dict[str, list[int]],
     ) -> list[BlockMove] | None:
-        table = src_tables.get(req_id, [])
-        new_table = dst.allocate(len(table))
-        if new_table is None:
+        tables = [src_tables.get(r, []) for r in req_ids]
+        distinct = list(dict.fromkeys(b for t in tables for b in t))
+        new_blocks = dst.allocate(len(distinct))
+        if new_blocks is None:
             return None
-        src_tables.pop(req_id, None)
-        src.release(table)
-        dst_tables[req_id] = new_table
-        return [BlockMove(s, d) for s, d in zip(table, new_table, strict=True)]
+        mapping = dict(zip(distinct, new_blocks, strict=True))
+        for r, table in zip(req_ids, tables, strict=True):
+            src_tables.pop(r, None)
+            src.release(table)
+            dst_tables[r] = [mapping[b] for b in table]
+        # allocate() gave each block one reference: add the group's other holders.
+        held = Counter(b for t in tables for b in t)
+        dst.incref(mapping[b] for b, n in held.items() for _ in range(n - 1))
+        return [BlockMove(s, d) for s, d in mapping.items()]
 
     # -- invariants -------------------------------------------------------------------------
 

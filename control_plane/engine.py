@@ -67,6 +67,7 @@ class OutputChunk:
     time_to_first_token_s: float | None = None  # set on a completion's final chunk
     # On the request's first chunk, when asked: prompt tokens 1.. with their logprobs.
     prompt_logprobs: list[SampledToken] | None = None
+    sequence_score: float | None = None  # beam search: set on each returned sequence
 
     @property
     def ends_completion(self) -> bool:
@@ -92,6 +93,7 @@ class OutputChunk:
         self.index = later.index
         self.last = later.last
         self.time_to_first_token_s = later.time_to_first_token_s
+        self.sequence_score = later.sequence_score
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
         return self
@@ -523,6 +525,7 @@ class EngineLoop:
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 index=d.index,
+                sequence_score=d.sequence_score,
             )
             if r.sampling.prompt_logprobs is not None and not stream.prompt_logprobs_sent:
                 # The first prompt token has nothing before it: NaN, as "no logprob".
@@ -582,7 +585,11 @@ class EngineLoop:
 
     def live_copies(self, client_id: str) -> list[Request]:
         """Fresh WAITING copies of a client request's unfinished sequences (the request, or
-        its forked children), carrying the tokens already streamed."""
+        its forked children), carrying the tokens already streamed; a beam search's beams in
+        a copy of its group (scores and finished sequences so far)."""
+        live = self.scheduler.live_requests(client_id)
+        if live and live[0].beam is not None:
+            return live[0].beam.copy_waiting()
         return [
             Request(
                 r.req_id,

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from control_plane.block_hash import BlockHash, request_block_hashes
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from control_plane.beam import BeamGroup
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -85,6 +88,7 @@ class Request:
     index: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_pending_outputs: int = 0  # sampled by steps in flight, not applied yet
+    beam: BeamGroup | None = None  # set on a beam of a beam search (`control_plane/beam.py`)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -110,7 +114,7 @@ class Request:
 
     @property
     def is_fork_parent(self) -> bool:
-        return self.sampling.n > 1
+        return self.sampling.n > 1 and not self.sampling.beam_width
 
     @property
     def num_tokens_to_compute(self) -> int:

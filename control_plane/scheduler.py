@@ -18,9 +18,16 @@ the parent leaves every queue and the worker. The children are RUNNING, new to t
 sent in full when first scheduled; the first write of each into the shared last block copies
 it (only the last holder writes in place), so the prompt's full blocks are held once.
 
-Copy-on-write and the worker: the worker learns a replaced block only from a full table
-(`NewRequestData`). A copy is only ever needed on a request's first schedule after a fork, so a
-copy for a request the worker already knows is a bug, and `schedule()` asserts against it.
+Copy-on-write and the worker: the worker learns a replaced block from a full table
+(`NewRequestData`), or, for a beam, from `CachedRequestData.copied`. Outside beam search a copy
+is only ever needed on a request's first schedule after a fork, so a copy for a request the
+worker already knows is a bug, and `schedule()` asserts against it.
+
+Beam search (`control_plane/beam.py`): a group's beams sit next to each other in one queue and
+move as one unit: scheduled together (every beam reaches its last token in the same step, or
+a step catches every beam up to one short of it), preempted together (swapped with their
+shared blocks still shared, or recomputed, when the prefix cache finds their common blocks
+again), and selected from together in `update()`.
 
 Async scheduling: `schedule()` moves every scheduled request's num_computed_tokens past the
 plan's tokens at once, and gives a request whose step will sample a pending output
@@ -44,6 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from control_plane.beam import BeamGroup, Hypothesis, beam_request_id
 from control_plane.block_manager import BlockManager, PrefixCacheStats, SlotReservation
 from control_plane.request import Request, RequestStatus
 from pagedserve.plan import (
@@ -109,6 +117,7 @@ class RequestOutputDelta:
     parent_id: str | None = None
     index: int = 0
     all_finished: bool = False
+    sequence_score: float | None = None  # beam search: the returned sequence's score
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,7 @@ class SchedulerStats:
     num_copied_blocks: int = 0
     num_used_gpu_blocks: int = 0
     num_gpu_block_refs: int = 0  # used blocks as they would be without sharing
+    peak_used_gpu_blocks: int = 0  # most GPU blocks in use at once, after any schedule()
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     @property
@@ -167,6 +177,7 @@ class _Counters:
     prompt_tokens: int = 0
     forks: int = 0
     copied_blocks: int = 0
+    peak_used_gpu_blocks: int = 0
 
 
 class Scheduler:
@@ -209,9 +220,11 @@ class Scheduler:
             raise ValueError(f"request {req.req_id} must be WAITING with nothing computed")
         if req.is_fork_parent and req.output_token_ids:
             raise ValueError(f"request {req.req_id}: n > 1 with output tokens; add the children")
-        if req.sampling.n > self.config.max_num_seqs:
+        seats = req.sampling.beam_width or req.sampling.n
+        if seats > self.config.max_num_seqs:
+            what = "beam_width" if req.sampling.beam_width else "n"
             raise InvalidRequestError(
-                f"request {req.req_id}: n = {req.sampling.n} exceeds max_num_seqs "
+                f"request {req.req_id}: {what} = {seats} exceeds max_num_seqs "
                 f"{self.config.max_num_seqs}"
             )
         max_len = self.config.max_model_len
@@ -230,6 +243,16 @@ class Scheduler:
                 f"request {req.req_id}: {final_len} tokens need more KV blocks than the "
                 f"worker has ({bm.num_gpu_blocks} of {bm.block_size} tokens)"
             )
+        if req.sampling.beam_width and req.beam is None:
+            req = BeamGroup.start(req, self.config.eos_token_ids, max_len).beams[0]
+        if req.beam is not None:
+            needed = req.beam.worst_case_blocks(bm.block_size)
+            if needed > bm.num_gpu_blocks:
+                raise InvalidRequestError(
+                    f"request {req.parent_id}: beam search of width {req.beam.width} can hold "
+                    f"{needed} KV blocks at once, more than the worker has "
+                    f"({bm.num_gpu_blocks} of {bm.block_size} tokens)"
+                )
         self._requests[req.req_id] = req
         self.waiting.append(req)
         if req.parent_id is not None:  # a child added by itself, e.g. moved from another worker
@@ -282,6 +305,8 @@ class Scheduler:
             self._in_flight.append(self._advance(plan))
             self._counters.num_steps += 1
             self._counters.chunked_prefill_steps += budget.chunked
+        used = self.block_manager.num_gpu_blocks - self.block_manager.num_free_gpu_blocks
+        self._counters.peak_used_gpu_blocks = max(self._counters.peak_used_gpu_blocks, used)
         return plan
 
     def _advance(self, plan: StepPlan) -> _InFlight:
@@ -316,23 +341,130 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
+            if req.beam is not None:
+                if not self._schedule_group(plan, budget, req.beam):
+                    return  # the group was the newest running unit, and is preempted
+                i += len(req.beam.beams)
+                continue
             if not self._has_work(req):
                 i += 1
                 continue
             num_new = self._num_new_tokens(req, budget)
-            while (slots := self._reserve(req, num_new)) is None:
-                victim = self.running.pop()  # the newest; never one scheduled before req
-                self._preempt(victim, plan)
-                budget.preempted = True
-                if victim is req:
-                    return  # req was the last running request
+            slots = self._reserve_or_preempt(plan, budget, req, num_new)
+            if slots is None:
+                return  # req was the last running request
             self._schedule_request(plan, budget, req, num_new, slots)
             i += 1
+
+    def _reserve_or_preempt(
+        self, plan: StepPlan, budget: _StepBudget, req: Request, num_new: int
+    ) -> SlotReservation | None:
+        """Reserves req's slots, preempting the newest running units until they fit; None
+        when req itself (or its beam group) was preempted."""
+        while (slots := self._reserve(req, num_new)) is None:
+            victims = self._pop_newest()  # never one scheduled before req
+            self._preempt(victims, plan)
+            budget.preempted = True
+            if req in victims:
+                return None
+        return slots
+
+    def _pop_newest(self) -> list[Request]:
+        """Takes the newest running unit off the running queue: a request, or a whole beam
+        group (its beams are the last ones)."""
+        victim = self.running.pop()
+        if victim.beam is None:
+            return [victim]
+        n = len(victim.beam.beams)
+        units = self.running[len(self.running) - n + 1 :]
+        del self.running[len(self.running) - n + 1 :]
+        return [*units, victim]
+
+    def _group_tokens(self, group: BeamGroup, budget: _StepBudget) -> list[int] | None:
+        """Tokens per beam this step: every beam to its last token when all of them fit
+        (the group's step: each beam then returns candidates), else each beam's prefill up to
+        one short of its last token; None when nothing fits."""
+        gaps = [b.num_tokens - b.num_computed_tokens for b in group.beams]
+        cap = self.config.long_prefill_token_threshold
+        if not group.unforked and sum(gaps) <= budget.tokens and (cap is None or max(gaps) <= cap):
+            return gaps
+        nums: list[int] = []
+        left = budget.tokens
+        for beam, gap in zip(group.beams, gaps, strict=True):
+            n = 0 if beam.req_id in group.unforked else min(gap - 1, left, cap or gap)
+            nums.append(n)
+            left -= n
+        return nums if any(nums) else None
+
+    def _schedule_group(self, plan: StepPlan, budget: _StepBudget, group: BeamGroup) -> bool:
+        """Schedules a running beam group as one unit; False if it was preempted. Blocks for
+        every beam are made free first (preempting newer units), then reserved: a reservation
+        that copies a shared block replaces it in the table at once, so one that could not be
+        completed would leave a copy the plan never makes."""
+        if any(b.num_pending_outputs for b in group.beams):
+            return True  # its step is in flight: the next one waits for the selection
+        bm = self.block_manager
+        if group.unforked:
+            self._fork_recomputed_beams(group)
+        nums = self._group_tokens(group, budget)
+        if nums is None:
+            return True
+        ranges = [
+            (b.req_id, b.num_computed_tokens, b.num_computed_tokens + n)
+            for b, n in zip(group.beams, nums, strict=True)
+            if n
+        ]
+        while bm.num_blocks_to_reserve(ranges) > bm.num_free_gpu_blocks:
+            victims = self._pop_newest()
+            self._preempt(victims, plan)
+            budget.preempted = True
+            if group.beams[0] in victims:
+                return False
+        reserved: list[SlotReservation | None] = []
+        for beam, n in zip(group.beams, nums, strict=True):
+            slots = self._reserve(beam, n) if n else None
+            assert slots is not None or not n, f"{beam.req_id}: blocks counted, not there"
+            reserved.append(slots)
+        self._schedule_beams(plan, budget, group, nums, reserved)
+        return True
+
+    def _fork_recomputed_beams(self, group: BeamGroup) -> None:
+        """Recomputed beams take the blocks they share with the first beam once it has
+        computed them (or a plan in flight does: the worker runs plans in order)."""
+        bm = self.block_manager
+        first = group.beams[0]
+        for beam in group.beams[1:]:
+            if beam.req_id not in group.unforked:
+                continue
+            shared = group.shared_prefix(beam, bm.block_size)
+            if first.num_computed_tokens >= shared:
+                bm.fork(first.req_id, beam.req_id, shared // bm.block_size)
+                beam.num_computed_tokens = shared
+                group.unforked.discard(beam.req_id)
+
+    def _schedule_beams(
+        self,
+        plan: StepPlan,
+        budget: _StepBudget,
+        group: BeamGroup,
+        nums: list[int],
+        reserved: list[SlotReservation | None],
+    ) -> None:
+        plan.beam_forks.extend(group.pending_forks)
+        group.pending_forks = []
+        for beam, n, slots in zip(group.beams, nums, reserved, strict=True):
+            if n:
+                assert slots is not None
+                self._schedule_request(plan, budget, beam, n, slots)
 
     def _schedule_swapped(self, plan: StepPlan, budget: _StepBudget) -> None:
         bm = self.block_manager
         while self.swapped and budget.tokens > 0 and self._has_seats_for(self.swapped[0]):
             req = self.swapped[0]
+            if req.beam is not None:
+                if not self._swap_in_group(plan, budget, req.beam):
+                    return
+                continue
             num_new = self._num_new_tokens(req, budget)
             if not bm.can_swap_in(req.req_id, req.num_computed_tokens + num_new):
                 return
@@ -345,10 +477,74 @@ class Scheduler:
             self._start_running(req)
             self._schedule_request(plan, budget, req, num_new, slots)
 
+    def _swap_in_group(self, plan: StepPlan, budget: _StepBudget, group: BeamGroup) -> bool:
+        """Resumes a swapped beam group, its shared blocks still shared; False if it does
+        not fit this step."""
+        bm = self.block_manager
+        nums = self._group_tokens(group, budget)
+        if nums is None:
+            return False
+        ids = group.ids
+        end = max(b.num_computed_tokens + n for b, n in zip(group.beams, nums, strict=True))
+        # Each beam may copy one shared block before writing into it.
+        if not bm.can_swap_in(ids, end, extra_blocks=len(ids)):
+            return False
+        moves = bm.swap_in(ids)
+        assert moves is not None
+        plan.swap_in.extend(moves)
+        self._counters.swapped_in_blocks += len(moves)
+        reserved: list[SlotReservation | None] = []
+        for beam, n in zip(group.beams, nums, strict=True):
+            assert self.swapped.popleft() is beam
+            self._start_running(beam)
+            slots = self._reserve(beam, n) if n else None
+            assert slots is not None or not n
+            reserved.append(slots)
+        self._schedule_beams(plan, budget, group, nums, reserved)
+        return True
+
+    def _admit_group(self, plan: StepPlan, budget: _StepBudget, group: BeamGroup) -> bool:
+        """Admits a waiting beam group, each beam from its longest cached prefix, the beams
+        of a recomputed group forking what they share with the first one; False, changing
+        nothing, if it does not fit this step."""
+        bm = self.block_manager
+        for beam in group.beams:
+            if beam.req_id not in group.unforked:
+                hit = bm.find_cached_prefix(beam)
+                bm.allocate_slots(beam.req_id, hit.num_tokens, prefix=hit)
+                beam.num_computed_tokens = hit.num_tokens
+        self._fork_recomputed_beams(group)
+        nums = self._group_tokens(group, budget)
+        ranges = [
+            (b.req_id, b.num_computed_tokens, b.num_computed_tokens + n)
+            for b, n in zip(group.beams, nums or [], strict=True)
+            if n
+        ]
+        if nums is None or bm.num_blocks_to_reserve(ranges) > bm.num_free_gpu_blocks:
+            for beam in group.beams:
+                bm.free(beam.req_id)
+                beam.num_computed_tokens = 0
+            if len(group.beams) > 1:
+                group.recompute()
+            return False
+        reserved: list[SlotReservation | None] = []
+        for beam, n in zip(group.beams, nums, strict=True):
+            assert self.waiting.popleft() is beam
+            self._start_running(beam)
+            slots = self._reserve(beam, n) if n else None
+            assert slots is not None or not n
+            reserved.append(slots)
+        self._schedule_beams(plan, budget, group, nums, reserved)
+        return True
+
     def _schedule_waiting(self, plan: StepPlan, budget: _StepBudget) -> None:
         bm = self.block_manager
         while self.waiting and budget.tokens > 0 and self._has_seats_for(self.waiting[0]):
             req = self.waiting[0]
+            if req.beam is not None:
+                if not self._admit_group(plan, budget, req.beam):
+                    return
+                continue
             hit = bm.find_cached_prefix(req)
             num_new = self._cap(req.num_tokens_to_compute - hit.num_tokens, budget)
             new_blocks = bm.allocate_slots(req.req_id, hit.num_tokens + num_new, prefix=hit)
@@ -379,8 +575,16 @@ class Scheduler:
         return True
 
     def _has_seats_for(self, req: Request) -> bool:
-        seats = sum(r.sampling.n for r in self.running)
-        return seats + req.sampling.n <= self.config.max_num_seqs
+        unit = req.beam.width if req.beam is not None else req.sampling.n
+        return self._running_seats() + unit <= self.config.max_num_seqs
+
+    def _running_seats(self) -> int:
+        """Seats the running requests hold: a fork parent n (its children's), a beam group
+        its width, whether it has widened to width beams yet or not."""
+        return sum(
+            r.sampling.n if r.beam is None else (1 if len(r.beam.beams) > 1 else r.beam.width)
+            for r in self.running
+        )
 
     def _num_new_tokens(self, req: Request, budget: _StepBudget) -> int:
         left = req.num_tokens_to_compute - req.num_computed_tokens
@@ -427,10 +631,15 @@ class Scheduler:
                 )
             )
         else:
-            # The worker only appends to a table it knows; it cannot learn a replaced block.
-            assert not slots.copies, f"{req.req_id}: copy-on-write in a table the worker holds"
-            if slots.new_block_ids:  # a table that did not grow needs no entry
-                plan.cached_requests.append(CachedRequestData(req.req_id, slots.new_block_ids))
+            # Outside beam search a copy only happens on a request's first schedule after a
+            # fork, when the worker gets its whole table.
+            assert not slots.copies or req.beam is not None, (
+                f"{req.req_id}: copy-on-write in a table the worker holds"
+            )
+            if slots.new_block_ids or slots.copies:  # a table that did not change needs none
+                plan.cached_requests.append(
+                    CachedRequestData(req.req_id, slots.new_block_ids, slots.copies)
+                )
         plan.num_scheduled_tokens[req.req_id] = num_new
         budget.tokens -= num_new
         budget.chunked |= req.num_computed_tokens + num_new < req.num_tokens_to_compute
@@ -456,30 +665,41 @@ class Scheduler:
         self._counters.forks += 1
         return children
 
-    def _preempt(self, req: Request, plan: StepPlan) -> None:
-        """Take a running request off the worker; it keeps its output tokens."""
-        req.num_preemptions += 1
-        if req.req_id in self._unsent:
-            self._unsent.remove(req.req_id)
-        else:
-            plan.finished_req_ids.append(req.req_id)
+    def _preempt(self, unit: list[Request], plan: StepPlan) -> None:
+        """Take a running request, or a beam group, off the worker; each keeps its output
+        tokens."""
+        for req in unit:
+            req.num_preemptions += 1
+            if req.req_id in self._unsent:
+                self._unsent.remove(req.req_id)
+            else:
+                plan.finished_req_ids.append(req.req_id)
+        req = unit[0]
+        if req.beam is not None:
+            req.beam.pending_forks = []  # the beams are sent in full when they resume
         # A fork parent with all its prompt in flight forks when readmitted (see the module
-        # docstring): swapped, it would resume with nothing to compute.
+        # docstring): swapped, it would resume with nothing to compute. A beam group whose
+        # beams have not all forked from the first again recomputes.
         parent_done = req.is_fork_parent and req.num_computed_tokens == req.num_tokens_to_compute
-        if self.config.preemption_mode == "swap" and not parent_done:
-            moves = self.block_manager.swap_out(req.req_id)
+        regrowing = req.beam is not None and bool(req.beam.unforked)
+        if self.config.preemption_mode == "swap" and not parent_done and not regrowing:
+            moves = self.block_manager.swap_out([r.req_id for r in unit])
             if moves is not None:  # else the CPU pool is full: recompute instead
                 plan.swap_out.extend(moves)
-                req.status = RequestStatus.SWAPPED
-                # Victims go newest-first, so appendleft keeps the queue oldest-first.
-                self.swapped.appendleft(req)
+                for r in reversed(unit):
+                    r.status = RequestStatus.SWAPPED
+                    # Victims go newest-first, so appendleft keeps the queue oldest-first.
+                    self.swapped.appendleft(r)
                 self._counters.preemptions["swap"] += 1
                 self._counters.swapped_out_blocks += len(moves)
                 return
-        self.block_manager.free(req.req_id)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        for r in reversed(unit):
+            self.block_manager.free(r.req_id)
+            r.num_computed_tokens = 0
+            r.status = RequestStatus.WAITING
+            self.waiting.appendleft(r)
+        if req.beam is not None:
+            req.beam.recompute()
         self._counters.preemptions["recompute"] += 1
 
     # -- applying a result ------------------------------------------------------------------
@@ -517,6 +737,7 @@ class Scheduler:
         self._in_flight.popleft()
 
         outputs: list[RequestOutputDelta] = []
+        groups: dict[BeamGroup, dict[str, SampledToken]] = {}
         for req, num_new, due in live:
             self._counters.computed_tokens += num_new
             if req.status is RequestStatus.RUNNING:  # else preempted while the step ran
@@ -528,6 +749,9 @@ class Scheduler:
                 continue
             req.num_pending_outputs -= 1
             sampled = result.sampled[req.req_id]
+            if req.beam is not None:
+                groups.setdefault(req.beam, {})[req.req_id] = sampled
+                continue
             req.output_token_ids.append(sampled.token_id)
             delta = RequestOutputDelta(
                 req_id=req.req_id,
@@ -548,7 +772,57 @@ class Scheduler:
                         req.stop_reason if isinstance(req.stop_reason, int) else None
                     )
             outputs.append(delta)
+        for group, candidates in groups.items():
+            outputs += self._select(group, [candidates[i] for i in group.ids])
         return outputs
+
+    def _select(self, group: BeamGroup, candidates: list[SampledToken]) -> list[RequestOutputDelta]:
+        """Applies a beam group's selection: its next beams (tables reassigned, forks for the
+        worker), or its end (the best sequences as deltas, best first)."""
+        step = group.select(candidates)
+        if step.done:
+            results = group.results()
+            for beam in list(group.beams):
+                self._finish(beam, RequestStatus.FINISHED_STOPPED)
+            return [
+                self._beam_delta(group, i, h, i == len(results) - 1) for i, h in enumerate(results)
+            ]
+        first = group.beams[0]
+        known = first.status is RequestStatus.RUNNING and not (self._unsent & set(group.ids))
+        sources = {
+            beam_request_id(group.client_id, slot): group.beams[src].req_id
+            for slot, (src, _, _) in enumerate(step.forks)
+        }
+        self.block_manager.reassign(sources)
+        added = group.apply(step, known_to_worker=known)
+        if first.status is RequestStatus.WAITING:
+            group.recompute()  # preempted while its step ran
+        if added:
+            queue = {
+                RequestStatus.RUNNING: self.running,
+                RequestStatus.WAITING: self.waiting,
+                RequestStatus.SWAPPED: self.swapped,
+            }[first.status]
+            at = list(queue).index(first) + 1
+            for k, beam in enumerate(added):
+                queue.insert(at + k, beam)
+                self._requests[beam.req_id] = beam
+            self._children[group.client_id] += [b.req_id for b in added]
+        return []
+
+    def _beam_delta(
+        self, group: BeamGroup, index: int, hyp: Hypothesis, last: bool
+    ) -> RequestOutputDelta:
+        return RequestOutputDelta(
+            req_id=beam_request_id(group.client_id, index),
+            new_token_ids=hyp.token_ids,
+            finished=True,
+            finish_reason=hyp.finish_reason,
+            parent_id=group.client_id,
+            index=index,
+            all_finished=last,
+            sequence_score=hyp.score,
+        )
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings live outside)."""
@@ -634,6 +908,7 @@ class Scheduler:
             num_copied_blocks=c.copied_blocks,
             num_used_gpu_blocks=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
             num_gpu_block_refs=bm.num_gpu_block_refs,
+            peak_used_gpu_blocks=c.peak_used_gpu_blocks,
             prefix_cache=bm.prefix_cache_stats(),
         )
 
@@ -662,7 +937,7 @@ class Scheduler:
                     self._in_flight and req.num_computed_tokens <= req.num_tokens_to_compute
                 ), f"{req.req_id}: computed {req.num_computed_tokens} of {req.num_tokens}"
         assert seen == set(self._requests), "tracked requests missing from every queue"
-        seats = sum(r.sampling.n for r in self.running)
+        seats = self._running_seats()
         assert seats <= self.config.max_num_seqs, f"{seats} seats > max_num_seqs"
         assert self._unsent <= {r.req_id for r in self.running}, "unsent requests not running"
         for parent_id, child_ids in self._children.items():
@@ -682,6 +957,29 @@ class Scheduler:
             assert covered >= req.num_computed_tokens, f"{req.req_id}: blocks do not cover KV"
         for req in self.waiting:
             assert req.num_computed_tokens == 0, f"waiting {req.req_id} has computed tokens"
+        self._check_beam_groups()
         holders = {r.req_id for r in self.running} | {r.req_id for r in self.swapped}
         assert bm.request_ids() <= holders, f"blocks held by {bm.request_ids() - holders}"
         bm.check_integrity()
+
+    def _check_beam_groups(self) -> None:
+        groups = {r.beam for r in self._requests.values() if r.beam is not None}
+        for group in groups:
+            assert self._children.get(group.client_id) == group.ids, f"{group.client_id}: beams"
+            assert len(group.scores) == len(group.beams), f"{group.client_id}: scores"
+            status = group.beams[0].status
+            queue = {
+                RequestStatus.RUNNING: self.running,
+                RequestStatus.WAITING: self.waiting,
+                RequestStatus.SWAPPED: self.swapped,
+            }[status]
+            items = list(queue)
+            at = items.index(group.beams[0])
+            assert items[at : at + len(group.beams)] == group.beams, (
+                f"{group.client_id}: beams not together in the {status.value} queue"
+            )
+            lengths = {b.num_tokens for b in group.beams}
+            assert len(lengths) == 1, f"{group.client_id}: beams of different lengths {lengths}"
+            assert not group.pending_forks or status is RequestStatus.RUNNING, (
+                f"{group.client_id}: forks pending for beams the worker does not hold"
+            )

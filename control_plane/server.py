@@ -250,6 +250,7 @@ def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
                 num_gpu_block_refs=s.num_gpu_block_refs,
                 num_forks=s.num_forks,
                 num_copied_blocks=s.num_copied_blocks,
+                peak_used_gpu_blocks=s.peak_used_gpu_blocks,
                 dtype=loop.info.dtype,
                 kv_cache_dtype=loop.info.kv_cache_dtype,
             )
@@ -293,6 +294,8 @@ def _chunk_to_proto(
         msg.stop_token_id = chunk.stop_reason
     if chunk.time_to_first_token_s is not None:
         msg.time_to_first_token_s = chunk.time_to_first_token_s
+    if chunk.sequence_score is not None:
+        msg.sequence_score = chunk.sequence_score
     msg.logprobs.extend(_logprobs(t, tok) for t in chunk.logprobs if t.logprob is not None)
     if chunk.prompt_logprobs:
         msg.prompt_logprobs.extend(_logprobs(t, tok, True) for t in chunk.prompt_logprobs)

@@ -47,6 +47,8 @@ from gateway.upstream import Upstream
 from pagedserve import __version__
 from pagedserve.log import get_logger
 from pagedserve.sampling_params import DEFAULT_MAX_TOKENS
+from pagedserve.wire import early_stopping_to_proto
+from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 
 log = get_logger(__name__)
@@ -204,6 +206,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rid = request_id_of(request.scope)
         prompts: list[str | list[int]] = list(body.prompts())
         sampling = sampling_proto(body, body.logprobs)
+        _beam_search(body, sampling)
         if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs
             sampling.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         prompt_entries = 0  # every choice carries its prompt's logprobs
@@ -255,7 +258,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         logprobs = body.logprobs_k()
         # The rendered prompt's logprobs come once, counted by the control plane.
         gw.budget.check(1, body.n, body.effective_max_tokens(), logprobs)
-        base = pb.GenerateRequest(model=upstream_model, sampling=sampling_proto(body, logprobs))
+        sampling = sampling_proto(body, logprobs)
+        _beam_search(body, sampling)
+        base = pb.GenerateRequest(model=upstream_model, sampling=sampling)
         base.chat.add_generation_prompt = body.add_generation_prompt
         base.chat.messages.extend(
             pb.ChatMessage(role=role, content=content) for role, content in body.message_texts()
@@ -361,6 +366,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _beam_search(body: SamplingFields, sampling: common_pb2.SamplingParams) -> None:
+    """use_beam_search as the control plane takes it: the beam width beside n (the sequences
+    returned), the length penalty and when to stop. Without it, those two are ignored."""
+    if not body.use_beam_search:
+        return
+    sampling.beam_width = body.beam_width
+    if body.length_penalty != 1.0:
+        sampling.length_penalty = body.length_penalty
+    sampling.early_stopping = early_stopping_to_proto(body.early_stopping)
 
 
 def _log_ignored(body: Any) -> None:

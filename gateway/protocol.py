@@ -16,12 +16,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ModelWrapValidatorHandler,
+    PlainValidator,
     PrivateAttr,
     model_validator,
 )
 
 from gateway.errors import bad_request
-from pagedserve.sampling_params import MAX_LOGPROBS, MAX_N
+from pagedserve.sampling_params import MAX_LOGPROBS, MAX_N, EarlyStopping
 
 UINT32_MAX = 2**32 - 1
 MAX_CHOICES = 256  # prompts x n in one request
@@ -38,6 +39,12 @@ def _integral(value: Any) -> Any:
 INTEGRAL = BeforeValidator(_integral)
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX), INTEGRAL]
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+def _early_stopping(value: Any) -> EarlyStopping:
+    if value is True or value is False or value == "never":
+        return value  # type: ignore[no-any-return]
+    raise ValueError('must be true, false or "never"')
 
 
 def _reject_lone_surrogates(value: Any) -> None:
@@ -119,6 +126,34 @@ class SamplingFields(_Body):
     best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = None
     # vLLM's: each prompt token's logprob and this many alternatives (not streamed).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    use_beam_search: Annotated[
+        bool,
+        Field(
+            description="Beam search (vLLM's parameter): `best_of` beams (or `n` without it), "
+            "the `n` best sequences returned as the choices, best first. Deterministic: takes "
+            "no sampling parameters, penalties, logprobs, stop conditions but EOS and "
+            "`max_tokens`, nor `stream`"
+        ),
+    ] = False
+    length_penalty: Annotated[
+        float,
+        Field(
+            ge=-1e3,
+            le=1e3,
+            description="With `use_beam_search`: a sequence's score is its logprob sum / "
+            "length^length_penalty; ignored without it",
+        ),
+    ] = 1.0
+    early_stopping: Annotated[
+        bool | Literal["never"],
+        PlainValidator(_early_stopping, json_schema_input_type=bool | Literal["never"]),
+        Field(
+            description="With `use_beam_search`, when the search ends, as transformers' "
+            "`early_stopping`: true, as soon as `best_of` sequences have finished; false, once "
+            'no running beam is likely to beat them; "never", once none can; ignored '
+            "without it"
+        ),
+    ] = False
 
     @property
     def stop_list(self) -> list[str]:
@@ -147,8 +182,65 @@ class SamplingFields(_Body):
             raise bad_request(
                 "prompt_logprobs is not available when stream is true", "prompt_logprobs"
             )
-        if self.best_of is not None and self.best_of != self.n:
-            raise bad_request("best_of other than n is not supported", "best_of")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.best_of is not None and self.best_of != self.n:
+            raise bad_request(
+                "best_of other than n is not supported (but with use_beam_search)", "best_of"
+            )
+
+    @property
+    def beam_width(self) -> int:
+        """Beams to search: best_of, else n; 0 without use_beam_search."""
+        if not self.use_beam_search:
+            return 0
+        return self.best_of if self.best_of is not None else self.n
+
+    def beam_search_conflicts(self) -> list[tuple[str, Any]]:
+        """(field, value) of each field set to what beam search cannot take, in the order a
+        400 names them: it is deterministic, and stops only at EOS and max_tokens."""
+        out: list[tuple[str, Any]] = []
+        if self.temperature not in (None, 0.0, 1.0):
+            out.append(("temperature", self.temperature))
+        unset_or_default: dict[str, tuple[Any, ...]] = {
+            "top_k": (None, -1, 0),
+            "top_p": (None, 1.0),
+            "min_p": (None, 0.0),
+            "repetition_penalty": (None, 1.0),
+            "presence_penalty": (None, 0.0),
+            "frequency_penalty": (None, 0.0),
+            "prompt_logprobs": (None,),
+            "stop": (None, []),
+            "stop_token_ids": (None, []),
+            "min_tokens": (0,),
+        }
+        for name, allowed in unset_or_default.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                out.append((name, value))
+        return out
+
+    def _check_beam_search(self) -> None:
+        if self.stream:
+            raise bad_request(
+                "use_beam_search cannot stream: the sequences are known only when the search "
+                "ends; send stream false",
+                "stream",
+            )
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad_request(
+                f"with use_beam_search, best_of (the beam width, {self.best_of}) must be at "
+                f"least n (the sequences returned, {self.n})",
+                "best_of",
+            )
+        conflicts = self.beam_search_conflicts()
+        if conflicts:
+            name, value = conflicts[0]
+            raise bad_request(
+                f"beam search is deterministic: it takes no {name} (got {value!r}); leave it "
+                "out with use_beam_search",
+                name,
+            )
 
 
 class CompletionRequest(SamplingFields):
@@ -172,6 +264,12 @@ class CompletionRequest(SamplingFields):
         if p and isinstance(p[0], int):
             return [p]  # type: ignore[list-item]
         return p  # type: ignore[return-value]
+
+    def beam_search_conflicts(self) -> list[tuple[str, Any]]:
+        out = super().beam_search_conflicts()
+        if self.logprobs is not None:
+            out.append(("logprobs", self.logprobs))
+        return out
 
     def check(self) -> None:
         super().check()
@@ -243,6 +341,12 @@ class ChatCompletionRequest(SamplingFields):
 
     def message_texts(self) -> list[tuple[str, str]]:
         return message_texts(self.messages)
+
+    def beam_search_conflicts(self) -> list[tuple[str, Any]]:
+        out = super().beam_search_conflicts()
+        if self.logprobs:
+            out.append(("logprobs", self.logprobs))
+        return out
 
     def check(self) -> None:
         super().check()

@@ -13,10 +13,18 @@ from pydantic import BaseModel, Field
 
 StopReason = int | str | None  # a stop token id, a stop string, or null (EOS, length)
 
+CHOICE_INDEX = (
+    "i of n, or prompt index x n + i for a batch of prompts; with `use_beam_search`, a "
+    "prompt's n sequences by score, the best first (i = 0)"
+)
+
 
 class Usage(BaseModel):
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int = Field(
+        description="Over the returned choices (with `use_beam_search`, the n sequences "
+        "returned, not every beam searched)"
+    )
     total_tokens: int
 
 
@@ -40,7 +48,7 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
-    index: int
+    index: int = Field(description=CHOICE_INDEX)
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
@@ -93,7 +101,7 @@ class AssistantMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    index: int
+    index: int = Field(description=CHOICE_INDEX)
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None

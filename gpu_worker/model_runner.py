@@ -24,7 +24,7 @@ from pagedserve.plan import (
     StepPlan,
     StepResult,
 )
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, beam_candidates
 
 # glibc mallopt parameters
 # Prompt logprobs are computed over at most this many rows at a time (rows x vocab floats).
@@ -102,6 +102,7 @@ class ModelRunner:
         self.cache.swap_out(plan.swap_out)
         self.cache.swap_in(plan.swap_in)
         self.cache.copy_blocks(plan.copy_blocks)
+        self._fork_beams(plan)
         for new in plan.new_requests:
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
@@ -112,7 +113,10 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
             )
         for cached in plan.cached_requests:
-            self._state(cached.req_id).block_ids.extend(cached.new_block_ids)
+            st = self._state(cached.req_id)
+            for move in cached.copied:
+                st.block_ids[st.block_ids.index(move.src)] = move.dst
+            st.block_ids.extend(cached.new_block_ids)
 
         result = StepResult(step_id=plan.step_id)
         if plan.num_scheduled_tokens:
@@ -123,21 +127,73 @@ class ModelRunner:
             states = [self.requests[r] for r in batch.sample_req_ids]
             if states:
                 logits = self.model.compute_logits(hidden[batch.sample_rows])
-                self._suppress_early_stops(logits, states)
-                rows = [
-                    SamplingRow(s.sampling, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
-                    for s in states
-                ]
-                sampled = self.sampler(logits, rows)
-                result.sampled = dict(zip(batch.sample_req_ids, sampled, strict=True))
+                result.sampled = self._sample(logits, states)
             result.prompt_logprobs = self._prompt_logprobs(plan.num_scheduled_tokens, hidden)
             for req_id, n in plan.num_scheduled_tokens.items():
                 self.requests[req_id].num_computed_tokens += n
             for req_id, tok in result.sampled.items():
-                self.requests[req_id].token_ids.append(tok.token_id)
+                st = self.requests[req_id]
+                if not st.sampling.beam_width:  # a beam's token comes with a later fork
+                    st.token_ids.append(tok.token_id)
             result.model_time_s = time.perf_counter() - t1
         result.total_time_s = time.perf_counter() - t0
         return result
+
+    def _fork_beams(self, plan: StepPlan) -> None:
+        """Applies the plan's beam forks, each reading its source as it was before any."""
+        if not plan.beam_forks:
+            return
+        sources = {f.src_req_id: self._state(f.src_req_id) for f in plan.beam_forks}
+        for f in plan.beam_forks:
+            src = sources[f.src_req_id]
+            self.requests[f.req_id] = RequestState(
+                req_id=f.req_id,
+                token_ids=[*src.token_ids, f.token_id],
+                num_prompt_tokens=src.num_prompt_tokens,
+                sampling=src.sampling,
+                block_ids=list(src.block_ids),
+                num_computed_tokens=src.num_computed_tokens,
+            )
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, SampledToken]:
+        """One token per sampling row; a beam-search row's top candidates instead."""
+        beam = [i for i, s in enumerate(states) if s.sampling.beam_width]
+        out: dict[str, SampledToken] = {}
+        if len(beam) < len(states):
+            rows = [i for i, s in enumerate(states) if not s.sampling.beam_width]
+            sampled_states = [states[i] for i in rows]
+            sub = logits if not beam else logits[rows]
+            self._suppress_early_stops(sub, sampled_states)
+            sampled = self.sampler(
+                sub,
+                [
+                    SamplingRow(s.sampling, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
+                    for s in sampled_states
+                ],
+            )
+            out.update((s.req_id, t) for s, t in zip(sampled_states, sampled, strict=True))
+        if beam:
+            out.update(self._beam_candidates(logits[beam], [states[i] for i in beam]))
+        return {s.req_id: out[s.req_id] for s in states}
+
+    def _beam_candidates(
+        self, logits: torch.Tensor, states: list[RequestState]
+    ) -> dict[str, SampledToken]:
+        """Each beam row's best candidates by float32 log-softmax (transformers' beam
+        scores), as many as `beam_candidates` keeps over the whole search."""
+        logprobs = logits.float().log_softmax(dim=-1)
+        num_eos = len(self.eos_token_ids)
+        k = max(
+            beam_candidates(s.sampling.beam_width, 0 if s.sampling.ignore_eos else num_eos)
+            for s in states
+        )
+        top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+        values, ids = top.values.tolist(), top.indices.tolist()
+        out: dict[str, SampledToken] = {}
+        for s, v, i in zip(states, values, ids, strict=True):
+            n = beam_candidates(s.sampling.beam_width, 0 if s.sampling.ignore_eos else num_eos)
+            out[s.req_id] = SampledToken(i[0], v[0], i[:n], v[:n])
+        return out
 
     def _prompt_logprobs(
         self, scheduled: dict[str, int], hidden: torch.Tensor
@@ -214,6 +270,7 @@ class ModelRunner:
         limit = self.cache.num_gpu_blocks
         ids = [b for r in plan.new_requests for b in r.block_ids]
         ids += [b for r in plan.cached_requests for b in r.new_block_ids]
+        ids += [m.dst for r in plan.cached_requests for m in r.copied]
         ids += [m.src for m in plan.swap_out] + [m.dst for m in plan.swap_in]
         ids += [b for m in plan.copy_blocks for b in m]
         if any(b >= limit for b in ids):

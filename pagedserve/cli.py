@@ -646,6 +646,32 @@ def build_parser() -> argparse.ArgumentParser:
         "them, as the HTTP API does",
     )
     gen.add_argument("--logprobs", type=int, default=None)
+    gen.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="completions to return; with --beam-width, the best n sequences",
+    )
+    gen.add_argument(
+        "--beam-width",
+        type=int,
+        default=0,
+        help="beam search with this many beams (0: off); deterministic, so no --top-p, --top-k, "
+        "--logprobs or --stop, and --temperature 0 or 1 (ignored)",
+    )
+    gen.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        help="beam search: a sequence's score is its logprob sum / length^this",
+    )
+    gen.add_argument(
+        "--early-stopping",
+        choices=("true", "false", "never"),
+        default="false",
+        help="beam search: stop as soon as --beam-width sequences have finished (true), once "
+        "no running beam is likely to beat them (false), or once none can (never)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     st = sub.add_parser("stats", help="show the control plane's counters")

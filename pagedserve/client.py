@@ -12,9 +12,13 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from pagedserve.grpc_security import INSECURE, GrpcSecurity, channel
+from pagedserve.sampling_params import EarlyStopping
+from pagedserve.wire import early_stopping_to_proto
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 from protos.v1 import control_plane_pb2_grpc as pb_grpc
+
+_EARLY_STOPPING: dict[str, EarlyStopping] = {"false": False, "true": True, "never": "never"}
 
 
 def _stub(address: str, security: GrpcSecurity) -> pb_grpc.ControlPlaneStub:
@@ -32,7 +36,16 @@ def build_request(a: argparse.Namespace) -> pb.GenerateRequest:
         value = getattr(a, name)
         if value is not None:
             setattr(sampling, name, value)
+    if a.n != 1:
+        sampling.n = a.n
+    if a.beam_width:
+        sampling.beam_width = a.beam_width
+        sampling.early_stopping = early_stopping_to_proto(_EARLY_STOPPING[a.early_stopping])
+        if a.length_penalty != 1.0:
+            sampling.length_penalty = a.length_penalty
     req = pb.GenerateRequest(sampling=sampling)
+    if a.n > 1 or a.beam_width:  # printed whole, one completion after the other
+        req.output_kind = pb.OUTPUT_KIND_FINAL_ONLY
     if a.prompt_ids is not None:
         req.token_ids.ids.extend(int(t) for t in a.prompt_ids.split(",") if t.strip())
     elif a.chat is not None:
@@ -59,22 +72,39 @@ def message_to_dict(msg: Message) -> dict[str, Any]:
 
 
 def generate_main(a: argparse.Namespace, security: GrpcSecurity = INSECURE) -> int:
+    """Streams one completion's text as it comes; several (--n, --beam-width) are printed
+    whole when all have ended, in index order: for beam search, best first with scores."""
+    req = build_request(a)
+    whole = req.output_kind == pb.OUTPUT_KIND_FINAL_ONLY
+    completions: dict[int, list[pb.GenerateResponse]] = {}
     try:
-        for msg in _stub(a.control_plane, security).Generate(build_request(a)):
+        for msg in _stub(a.control_plane, security).Generate(req):
             if a.json:
                 print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True)))
+            elif whole:
+                completions.setdefault(msg.index, []).append(msg)
             else:
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finish_reason:
-                    sys.stdout.write(
-                        f"\n[finish_reason={msg.finish_reason} prompt_tokens={msg.prompt_tokens}"
-                        f" completion_tokens={msg.completion_tokens}]\n"
-                    )
+                    sys.stdout.write(f"\n{_summary(msg)}\n")
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    for index, msgs in sorted(completions.items()):
+        last = msgs[-1]
+        score = f" score={last.sequence_score:.6f}" if last.HasField("sequence_score") else ""
+        print(f"=== {index}{score}")
+        print("".join(m.text for m in msgs))
+        print(_summary(last))
     return 0
+
+
+def _summary(msg: pb.GenerateResponse) -> str:
+    return (
+        f"[finish_reason={msg.finish_reason} prompt_tokens={msg.prompt_tokens}"
+        f" completion_tokens={msg.completion_tokens}]"
+    )
 
 
 def stats_main(a: argparse.Namespace, security: GrpcSecurity = INSECURE) -> int:

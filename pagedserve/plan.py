@@ -12,12 +12,15 @@ this order:
     2. swap_out moves (GPU block -> CPU block)   -- before any block is reused below
     3. swap_in moves  (CPU block -> GPU block)
     4. copy_blocks    (GPU block -> GPU block, copy-on-write)
-    5. register `new_requests` (full state: first schedule or resumed after preemption)
-    6. append `new_block_ids` to known requests
-    7. run the forward pass over `num_scheduled_tokens`, in that dict's order
+    5. beam_forks     (beam search: a beam takes its source's state plus one token)
+    6. register `new_requests` (full state: first schedule or resumed after preemption)
+    7. append `new_block_ids` to known requests, and replace their `copied` blocks
+    8. run the forward pass over `num_scheduled_tokens`, in that dict's order
 
 A request samples one token in a step exactly when, after the step, all of its known tokens
-are computed: num_computed_tokens + num_scheduled_tokens == len(prompt) + len(output).
+are computed: num_computed_tokens + num_scheduled_tokens == len(prompt) + len(output). A
+beam-search row (sampling.beam_width > 0) samples nothing: it returns its top candidates,
+and a later plan's `beam_forks` say which token each beam appends.
 """
 
 from __future__ import annotations
@@ -54,10 +57,25 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     """A request the worker already knows whose table grew: the blocks appended since the
-    last step. A known request whose table did not grow is only in num_scheduled_tokens."""
+    last step. A known request whose table did not grow is only in num_scheduled_tokens.
+    copied: blocks of its table replaced by their copy-on-write copies (src -> dst), which
+    happens to a beam writing into a block it shares with other beams."""
 
     req_id: str
     new_block_ids: list[int]
+    copied: list[BlockMove] = field(default_factory=list)
+
+
+@dataclass
+class BeamFork:
+    """Beam search: request req_id continues from src_req_id's state as it was before the
+    plan's forks (tokens, block table, computed count), with token_id appended. req_id may
+    be src_req_id (a beam that keeps its own history) or a request the worker does not know
+    yet (a new beam)."""
+
+    req_id: str
+    src_req_id: str
+    token_id: int
 
 
 @dataclass
@@ -71,6 +89,7 @@ class StepPlan:
     swap_out: list[BlockMove] = field(default_factory=list)
     swap_in: list[BlockMove] = field(default_factory=list)
     copy_blocks: list[BlockMove] = field(default_factory=list)
+    beam_forks: list[BeamFork] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -84,6 +103,7 @@ class StepPlan:
             or self.swap_out
             or self.swap_in
             or self.copy_blocks
+            or self.beam_forks
         )
 
 

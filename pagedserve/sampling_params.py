@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 MAX_N = 16  # parallel samples per request
+MAX_BEAM_WIDTH = 16
+EarlyStopping = bool | str  # True, False or "never", as transformers' early_stopping
 
 
 class InvalidRequestError(ValueError):
@@ -29,6 +31,12 @@ class SamplingParams:
     prompt_logprobs is None or, as logprobs, the alternatives to return beside each prompt
     token's log-probability given the tokens before it (the first prompt token has none); a
     request asking for them computes its whole prompt (no prefix-cache hits).
+
+    beam_width > 0 asks for beam search, exactly as transformers' generate(num_beams=
+    beam_width, num_return_sequences=n, do_sample=False, length_penalty=length_penalty,
+    early_stopping=early_stopping): deterministic, so it takes no sampling filters, penalties,
+    logprobs or stop conditions other than EOS and max_tokens (temperature may be 0 or 1, and
+    is ignored; a seed is ignored).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -49,6 +57,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -84,7 +95,60 @@ class SamplingParams:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if not (1 <= self.n <= MAX_N):
             raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.beam_width:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if not (1 <= self.beam_width <= MAX_BEAM_WIDTH):
+            raise InvalidRequestError(
+                f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}"
+            )
+        if self.n > self.beam_width:
+            raise InvalidRequestError(
+                f"beam search returns at most beam_width ({self.beam_width}) sequences, "
+                f"n is {self.n}"
+            )
+        if not (-1e3 <= self.length_penalty <= 1e3):  # also refuses NaN
+            raise InvalidRequestError(
+                f"length_penalty must be in [-1000, 1000], got {self.length_penalty}"
+            )
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidRequestError(
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"
+            )
+        defaults = SamplingParams()
+        unsupported = [
+            name
+            for name in (
+                "top_k",
+                "top_p",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "logprobs",
+                "prompt_logprobs",
+                "stop",
+                "stop_token_ids",
+                "min_tokens",
+            )
+            if getattr(self, name) != getattr(defaults, name)
+        ]
+        if self.temperature not in (0.0, 1.0):
+            unsupported.insert(0, "temperature")
+        if unsupported:
+            raise InvalidRequestError(
+                f"beam search is deterministic: it takes no {unsupported[0]} "
+                f"(got {getattr(self, unsupported[0])!r})"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def beam_candidates(beam_width: int, num_eos_token_ids: int) -> int:
+    """Candidates a beam-search step keeps, over all beams: as transformers, enough that at
+    least beam_width of them do not end in EOS, max(2, 1 + number of EOS ids) x beam_width.
+    Each beam row returns this many (the best overall are among the rows' own best)."""
+    return max(2, 1 + num_eos_token_ids) * beam_width

@@ -7,6 +7,7 @@ The scheduler, block manager, model runner and sampler work on `pagedserve.plan`
 from __future__ import annotations
 
 from pagedserve.plan import (
+    BeamFork,
     BlockMove,
     CachedRequestData,
     NewRequestData,
@@ -15,8 +16,20 @@ from pagedserve.plan import (
     StepPlan,
     StepResult,
 )
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import EarlyStopping, InvalidRequestError, SamplingParams
 from protos.v1 import common_pb2, worker_pb2
+
+_EARLY_STOPPING_TO_PROTO: dict[EarlyStopping, common_pb2.EarlyStopping] = {
+    False: common_pb2.EARLY_STOPPING_FALSE,
+    True: common_pb2.EARLY_STOPPING_TRUE,
+    "never": common_pb2.EARLY_STOPPING_NEVER,
+}
+_EARLY_STOPPING_FROM_PROTO = {v: k for k, v in _EARLY_STOPPING_TO_PROTO.items()}
+
+
+def early_stopping_to_proto(value: EarlyStopping) -> common_pb2.EarlyStopping:
+    """True, False or "never" as the SamplingParams.early_stopping enum."""
+    return _EARLY_STOPPING_TO_PROTO[value]
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -45,6 +58,11 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if not p.skip_special_tokens:
         msg.skip_special_tokens = False
     msg.include_stop_str_in_output = p.include_stop_str_in_output
+    if p.beam_width:
+        msg.beam_width = p.beam_width
+        msg.early_stopping = early_stopping_to_proto(p.early_stopping)
+        if p.length_penalty != 1.0:
+            msg.length_penalty = p.length_penalty
     return msg
 
 
@@ -73,7 +91,11 @@ def sampling_from_proto(
         kwargs["max_tokens"] = msg.max_tokens
     elif default_max_tokens is not None:
         kwargs["max_tokens"] = default_max_tokens
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    if msg.HasField("length_penalty"):
+        kwargs["length_penalty"] = msg.length_penalty
+    if msg.early_stopping not in _EARLY_STOPPING_FROM_PROTO:
+        raise InvalidRequestError(f"early_stopping: unknown value {msg.early_stopping}")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty"):
         # float32 on the wire: round-trip 0.9 -> 0.8999999762 is harmless, NaN is not.
         if name in kwargs:
             kwargs[name] = float(kwargs[name])  # type: ignore[arg-type]
@@ -83,6 +105,8 @@ def sampling_from_proto(
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        beam_width=msg.beam_width,
+        early_stopping=_EARLY_STOPPING_FROM_PROTO[msg.early_stopping],
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -110,7 +134,9 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
             for r in plan.new_requests
         ],
         cached_requests=[
-            worker_pb2.CachedRequest(req_id=r.req_id, new_block_ids=r.new_block_ids)
+            worker_pb2.CachedRequest(
+                req_id=r.req_id, new_block_ids=r.new_block_ids, copied=_moves_to_proto(r.copied)
+            )
             for r in plan.cached_requests
         ],
         scheduled_req_ids=list(plan.num_scheduled_tokens.keys()),
@@ -119,6 +145,10 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
         swap_out=_moves_to_proto(plan.swap_out),
         swap_in=_moves_to_proto(plan.swap_in),
         copy_blocks=_moves_to_proto(plan.copy_blocks),
+        beam_forks=[
+            worker_pb2.BeamFork(req_id=f.req_id, src_req_id=f.src_req_id, token_id=f.token_id)
+            for f in plan.beam_forks
+        ],
     )
 
 
@@ -139,7 +169,7 @@ def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
             for r in msg.new_requests
         ],
         cached_requests=[
-            CachedRequestData(req_id=r.req_id, new_block_ids=list(r.new_block_ids))
+            CachedRequestData(r.req_id, list(r.new_block_ids), _moves_from_proto(r.copied))
             for r in msg.cached_requests
         ],
         num_scheduled_tokens=dict(
@@ -149,6 +179,7 @@ def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
         swap_out=_moves_from_proto(msg.swap_out),
         swap_in=_moves_from_proto(msg.swap_in),
         copy_blocks=_moves_from_proto(msg.copy_blocks),
+        beam_forks=[BeamFork(f.req_id, f.src_req_id, f.token_id) for f in msg.beam_forks],
     )
 
 

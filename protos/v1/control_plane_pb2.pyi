@@ -60,7 +60,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., output_kind: _Optional[_Union[OutputKind, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "stop_reason", "index", "time_to_first_token_s", "stop_token_id", "prompt_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "stop_reason", "index", "time_to_first_token_s", "stop_token_id", "sequence_score", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GenerateResponse(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_SCORE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -84,8 +85,9 @@ class GenerateResponse(_message.Message):
     index: int
     time_to_first_token_s: float
     stop_token_id: int
+    sequence_score: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ..., index: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ..., index: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., stop_token_id: _Optional[int] = ..., sequence_score: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "text", "chat", "add_special_tokens", "return_token_strs")
@@ -164,7 +166,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_cache_usage", "num_preemptions", "num_recompute_preemptions", "num_swap_preemptions", "num_chunked_prefill_steps", "num_steps", "num_prompt_tokens_computed", "num_generated_tokens", "healthy", "epoch", "num_blocks_swapped_out", "num_blocks_swapped_in", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_cached_blocks", "num_gpu_block_refs", "num_forks", "num_copied_blocks", "dtype", "kv_cache_dtype")
+    __slots__ = ("address", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_cache_usage", "num_preemptions", "num_recompute_preemptions", "num_swap_preemptions", "num_chunked_prefill_steps", "num_steps", "num_prompt_tokens_computed", "num_generated_tokens", "healthy", "epoch", "num_blocks_swapped_out", "num_blocks_swapped_in", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_cached_blocks", "num_gpu_block_refs", "num_forks", "num_copied_blocks", "dtype", "kv_cache_dtype", "peak_used_gpu_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +197,7 @@ class WorkerStats(_message.Message):
     NUM_COPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PEAK_USED_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     num_running: int
     num_waiting: int
@@ -225,7 +228,8 @@ class WorkerStats(_message.Message):
     num_copied_blocks: int
     dtype: str
     kv_cache_dtype: str
-    def __init__(self, address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_chunked_prefill_steps: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_blocks_swapped_out: _Optional[int] = ..., num_blocks_swapped_in: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_gpu_block_refs: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_copied_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    peak_used_gpu_blocks: int
+    def __init__(self, address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_chunked_prefill_steps: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., epoch: _Optional[int] = ..., num_blocks_swapped_out: _Optional[int] = ..., num_blocks_swapped_in: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_gpu_block_refs: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_copied_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., peak_used_gpu_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("num_running", "num_waiting", "num_swapped", "kv_cache_usage", "num_preemptions", "num_requests_finished", "num_requests_aborted", "num_chunked_prefill_steps", "workers", "num_pending", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_index_available", "num_routed_with_prefix_hit", "num_routed")
