@@ -242,7 +242,8 @@ class ControlPlane:
         if any(req_id in lp.streams for lp in self.loops):
             raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id} is running")
         waiting = sum(lp.scheduler.num_waiting for lp in self.loops)
-        limit = self.waiting_limit(n + sampling.max_tokens)
+        # A beam search holds up to beam_width sequences (and counts them while they wait).
+        limit = self.waiting_limit((n + sampling.max_tokens) * max(1, sampling.beam_width))
         if waiting >= limit:
             raise AdmissionError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
