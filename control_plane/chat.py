@@ -35,19 +35,37 @@ def _compile(template: str) -> Any:
     return env.from_string(template)
 
 
+def parse_tools(tools_json: str) -> list[dict[str, Any]]:
+    """A chat's tools (OpenAI function definitions) from their JSON list."""
+    try:
+        tools = json.loads(tools_json)
+    except ValueError as exc:
+        raise InvalidRequestError(f"tools_json is not valid JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidRequestError("tools_json must be a JSON list of objects")
+    return tools
+
+
 def render_chat(
     template: str | None,
     messages: list[dict[str, str]],
     add_generation_prompt: bool,
-    special_tokens: dict[str, str],
+    variables: dict[str, Any],
 ) -> str:
+    """The template rendered over the messages; `variables` are the special tokens'
+    texts, and `tools` when the chat has tools (refused if the template renders none)."""
     if template is None:
         raise InvalidRequestError("this model has no chat template; send a plain prompt")
     if not messages:
         raise InvalidRequestError("messages must not be empty")
+    if "tools" in variables and not re.search(r"\btools\b", template):
+        raise InvalidRequestError(
+            "this model's chat template does not render tools, so tool_choice 'auto' cannot "
+            "offer them; use tool_choice 'required' or a named function"
+        )
     try:
         text: str = _compile(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
     except TemplateError as exc:
         raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from exc
@@ -58,7 +76,7 @@ def content_spans(
     template: str,
     messages: list[dict[str, str]],
     add_generation_prompt: bool,
-    special_tokens: dict[str, str],
+    variables: dict[str, Any],
     text: str,
 ) -> list[tuple[int, int]] | None:
     """The [start, end) character ranges of `text` (render_chat's output for these messages)
@@ -69,7 +87,7 @@ def content_spans(
     marked = [{**m, "content": f"\ufdd3{i}\ufdd4"} for i, m in enumerate(messages)]
     try:
         rendered: str = _compile(template).render(
-            messages=marked, add_generation_prompt=add_generation_prompt, **special_tokens
+            messages=marked, add_generation_prompt=add_generation_prompt, **variables
         )
     except (TemplateError, InvalidRequestError):
         return None

@@ -35,6 +35,7 @@ class ControlPlaneConfig:
     grpc_security: GrpcSecurity = INSECURE  # for the port it serves and its worker channels
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS  # n x max_tokens of one Generate
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # logprob entries one Generate returns
+    grammar_compile_timeout_s: float = 10.0  # a constraint compiling longer is refused
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -52,6 +53,8 @@ class ControlPlaneConfig:
             raise ValueError("max_waiting must be >= 1 (or auto)")
         if self.max_request_tokens < 1 or self.max_logprob_entries < 1:
             raise ValueError("max_request_tokens and max_logprob_entries must be >= 1")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0")
         if self.worker_connect_timeout_s < 0:
             raise ValueError("worker_connect_timeout_s must be >= 0 (0: no limit)")
         if not (0 < self.port < 65536):

@@ -22,8 +22,9 @@ from control_plane.router import Router
 from control_plane.scheduler import SchedulerConfig
 from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
 from control_plane.worker_client import WorkerClient
+from pagedserve.grammar import GrammarCompiler
 from pagedserve.log import get_logger
-from pagedserve.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from protos.v1 import worker_pb2
 
 log = get_logger(__name__)
@@ -38,6 +39,7 @@ REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 # Prompts are tokenized on these threads, never on the event loop the engine loops share; the
 # tokenizer releases the GIL, and two threads bound the CPU a burst of long prompts can take.
 TOKENIZE_THREADS = 2
+GRAMMAR_THREADS = 2
 
 
 class WorkersUnreachable(RuntimeError):
@@ -78,6 +80,10 @@ class ControlPlane:
         self._register_lock = asyncio.Lock()
         self._startup_error: BaseException | None = None
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        # Structured output: the compiler is built (~1 s for a 50k vocabulary) when the first
+        # worker registers, off the event loop; constraints compile on these threads.
+        self._grammar: asyncio.Future[GrammarCompiler] | None = None
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
 
     async def connect(self) -> None:
         """Registers the listed workers as they answer, each retried with a back-off of at
@@ -140,6 +146,11 @@ class ControlPlane:
             self.tokenizer = await asyncio.to_thread(
                 load_tokenizer, self.config.tokenizer or info.model_path
             )
+            tokenizer = self.tokenizer.tokenizer
+            self._grammar = asyncio.get_running_loop().run_in_executor(
+                self._grammar_pool,
+                lambda: GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids),
+            )
         elif (info.architecture, info.vocab_size) != (first.architecture, first.vocab_size):
             raise RuntimeError(
                 f"it serves {info.model} ({info.architecture}, vocab {info.vocab_size}), the "
@@ -201,6 +212,7 @@ class ControlPlane:
         for loop in self.loops:
             await loop.stop()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -232,6 +244,12 @@ class ControlPlane:
                 f"more than the whole KV cache of {info.num_gpu_blocks} blocks"
             )
         self.check_budget(n, sampling)
+        if any(t >= info.vocab_size for t, _ in sampling.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias token ids must be < vocab size {info.vocab_size}"
+            )
+        if sampling.structured is not None:
+            await self.check_constraint(sampling.structured)
         if "#" in req_id:
             raise InvalidRequestError("request ids must not contain '#'")
         if not self.serving:
@@ -285,6 +303,24 @@ class ControlPlane:
             prompt = 0 if prompt_logprobs is None else num_prompt_tokens * (1 + prompt_logprobs)
             most = min(most, (self.config.max_logprob_entries - prompt) // (n * (1 + logprobs)))
         return max(1, most)
+
+    async def check_constraint(self, constraint: StructuredOutput) -> None:
+        """Compiles a structured-output constraint (cached): InvalidRequestError if it does
+        not compile, or not within the time-out (the thread finishes it in the background,
+        and its result is cached for the next request)."""
+        assert self._grammar is not None
+        compiler = await self._grammar
+        timeout = self.config.grammar_compile_timeout_s
+        work = asyncio.get_running_loop().run_in_executor(
+            self._grammar_pool, compiler.compile, constraint
+        )
+        try:
+            await asyncio.wait_for(asyncio.shield(work), timeout)
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"{constraint.kind} did not compile within {timeout:g} s "
+                "(--grammar-compile-timeout)"
+            ) from None
 
     def waiting_limit(self, request_tokens: int) -> int:
         """How many requests may wait. `--max-waiting N` fixes it; by default it is as many as

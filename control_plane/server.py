@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from control_plane.chat import parse_tools
 from control_plane.config import ControlPlaneConfig
 from control_plane.engine import OutputChunk, merge_chunks
 from control_plane.plane import AdmissionError, ControlPlane
@@ -128,7 +129,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             # Special tokens only where the template writes them (any BOS included): special-
             # token text typed in a message is tokenized as the text it is.
-            chat = tok.chat_prompt(messages, _flag(request.chat, "add_generation_prompt"))
+            tools = parse_tools(request.chat.tools_json) if request.chat.tools_json else None
+            chat = tok.chat_prompt(messages, _flag(request.chat, "add_generation_prompt"), tools)
             return await self.cp.tokenize(chat.text, False, chat.literal)
         if which != "text":
             raise InvalidRequestError("a prompt is required: set text, token_ids or chat")

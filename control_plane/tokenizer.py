@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tokenizers import AddedToken, Tokenizer
 
@@ -41,19 +41,24 @@ class LoadedTokenizer:
     special_tokens: dict[str, str]  # bos_token, eos_token, ... as the chat template sees them
 
     def chat_prompt(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ChatPrompt:
-        """The rendered chat, and where special tokens typed in its messages lie: `encode`
-        with those spans puts special tokens only where the template writes them."""
-        text = render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+        """The rendered chat (with `tools` for a template that renders them), and where
+        special tokens typed in its messages lie: `encode` with those spans puts special
+        tokens only where the template writes them."""
+        variables = dict(self.special_tokens)
+        if tools is not None:
+            variables["tools"] = tools  # type: ignore[assignment]
+        text = render_chat(self.chat_template, messages, add_generation_prompt, variables)
         if self.special_text_in(m["role"] for m in messages):
             raise InvalidRequestError("a message role must not hold a special token's text")
         if not self.special_text_in(m["content"] for m in messages):
             return ChatPrompt(text, [])
         assert self.chat_template is not None  # render_chat refuses a model without one
-        spans = content_spans(
-            self.chat_template, messages, add_generation_prompt, self.special_tokens, text
-        )
+        spans = content_spans(self.chat_template, messages, add_generation_prompt, variables, text)
         if spans is None:
             raise InvalidRequestError(
                 "a message holds a special token's text, and this model's chat template rewrites "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from gpu_worker.attention import AttentionBackend, BatchLayout
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.models.llama import CausalLM
 from gpu_worker.sampler import Sampler, SamplingRow
+from pagedserve.grammar import GrammarCompiler, Matcher, mask_logits
+from pagedserve.log import get_logger
 from pagedserve.plan import (
     NewRequestData,
     PromptLogprobRun,
@@ -25,6 +28,8 @@ from pagedserve.plan import (
     StepResult,
 )
 from pagedserve.sampling_params import SamplingParams, beam_candidates
+
+log = get_logger(__name__)
 
 # glibc mallopt parameters
 # Prompt logprobs are computed over at most this many rows at a time (rows x vocab floats).
@@ -61,6 +66,7 @@ class RequestState:
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    matcher: Matcher | None = None  # structured output: where the output stands in its grammar
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -77,8 +83,17 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        backend: AttentionBackend,
+        grammar: Callable[[], GrammarCompiler] | None = None,
+    ) -> None:
+        """grammar gives the structured-output compiler (None: constrained requests are
+        refused)."""
         self.model = model
+        self._grammar = grammar
         self.cache = cache
         self.backend = backend
         self.sampler = Sampler()
@@ -111,6 +126,7 @@ class ModelRunner:
                 sampling=new.sampling,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                matcher=self._matcher(new),
             )
         for cached in plan.cached_requests:
             st = self._state(cached.req_id)
@@ -135,9 +151,30 @@ class ModelRunner:
                 st = self.requests[req_id]
                 if not st.sampling.beam_width:  # a beam's token comes with a later fork
                     st.token_ids.append(tok.token_id)
+                # A terminated matcher's request has ended (the control plane learns it from
+                # this token's predecessor, EOS): a step planned meanwhile samples freely.
+                if st.matcher is not None and not st.matcher.terminated:
+                    if not st.matcher.accept(tok.token_id):
+                        log.error("token_outside_grammar", request_id=req_id, token=tok.token_id)
             result.model_time_s = time.perf_counter() - t1
         result.total_time_s = time.perf_counter() - t0
         return result
+
+    def grammar(self) -> GrammarCompiler:
+        if self._grammar is None:
+            raise PlanError("this worker was started without structured output")
+        return self._grammar()
+
+    def _matcher(self, new: NewRequestData) -> Matcher | None:
+        """A constrained request's matcher, past the output it already has (a resumed
+        request replays its tokens)."""
+        if new.sampling.structured is None:
+            return None
+        matcher = self.grammar().matcher(new.sampling.structured)
+        for t in new.output_token_ids:
+            if not matcher.accept(t):
+                raise PlanError(f"request {new.req_id!r}: its output left its grammar at {t}")
+        return matcher
 
     def _fork_beams(self, plan: StepPlan) -> None:
         """Applies the plan's beam forks, each reading its source as it was before any."""
@@ -164,6 +201,7 @@ class ModelRunner:
             sampled_states = [states[i] for i in rows]
             sub = logits if not beam else logits[rows]
             self._suppress_early_stops(sub, sampled_states)
+            self._constrain(sub, sampled_states)
             sampled = self.sampler(
                 sub,
                 [
@@ -234,6 +272,18 @@ class ModelRunner:
                 runs[req_id] = PromptLogprobRun(start + 1, tokens)
             offset += n
         return runs
+
+    def _constrain(self, logits: torch.Tensor, states: list[RequestState]) -> None:
+        """logit_bias, then structured output's masks, in place; nothing for rows without."""
+        for i, st in enumerate(states):
+            if st.sampling.logit_bias:
+                ids, bias = zip(*st.sampling.logit_bias, strict=True)
+                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+        rows = [i for i, st in enumerate(states) if st.matcher is not None]
+        if rows:
+            sub = logits[rows]
+            mask_logits(sub, [states[i].matcher for i in rows])  # type: ignore[misc]
+            logits[rows] = sub
 
     def _suppress_early_stops(self, logits: torch.Tensor, states: list[RequestState]) -> None:
         """Below min_tokens, EOS and stop token ids cannot be sampled."""

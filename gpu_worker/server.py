@@ -29,6 +29,7 @@ from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
 from pagedserve import grpc_security, wire
+from pagedserve.grammar import GrammarCompiler, vocab_tokenizer
 from pagedserve.log import get_logger, human_bytes
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2, worker_pb2_grpc
@@ -180,7 +181,19 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         attention_backend=backend.name,
         kv_cache_bytes=cache.nbytes,
     )
-    return Worker(cfg, ModelRunner(model, cache, backend), info)
+    # The structured-output compiler (~1 s for a 50k vocabulary) is built while the worker
+    # warms up; the first constrained request waits for it if it comes sooner.
+    grammar = futures.ThreadPoolExecutor(1, thread_name_prefix="grammar").submit(
+        lambda: GrammarCompiler(vocab_tokenizer(cfg.model), mc.vocab_size, mc.eos_token_ids)
+    )
+
+    def grammar_compiler() -> GrammarCompiler:
+        try:
+            return grammar.result()
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise PlanError(f"structured output is unavailable on this worker: {exc}") from exc
+
+    return Worker(cfg, ModelRunner(model, cache, backend, grammar_compiler), info)
 
 
 def _log_pools(cache: KVCache, cfg: WorkerConfig) -> None:

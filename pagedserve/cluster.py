@@ -208,6 +208,7 @@ SCHEDULER_FLAGS = [
     "no-prefix-caching",
     "no-async-scheduling",
     "worker-failover-timeout",
+    "grammar-compile-timeout",
     "worker-connect-timeout",
 ]
 # One request's budget: the gateway checks an HTTP request's total, the control plane each call.

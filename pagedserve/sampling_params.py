@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 # Default max_tokens when a client leaves it unset, as OpenAI's completions API does.
 DEFAULT_MAX_TOKENS = 16
@@ -11,6 +14,44 @@ MAX_LOGPROBS = 20
 MAX_N = 16  # parallel samples per request
 MAX_BEAM_WIDTH = 16
 EarlyStopping = bool | str  # True, False or "never", as transformers' early_stopping
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output text: `kind` and its `spec` (a JSON schema as JSON text,
+    "" for any JSON object, a regex, a JSON list of choice strings, or an EBNF grammar).
+    Hashable, so it keys the compiled-grammar caches."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"unknown structured output kind {self.kind!r}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as exc:
+                raise InvalidRequestError(f"json_schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError("json_schema must be a JSON object")
+        elif self.kind == "choice":
+            choices = json.loads(self.spec) if self.spec else []
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+        elif self.kind in ("regex", "grammar") and not self.spec:
+            raise InvalidRequestError(f"{self.kind} must not be empty")
+
+    @classmethod
+    def choices(cls, options: list[str]) -> StructuredOutput:
+        return cls("choice", json.dumps(options, ensure_ascii=False))
+
+    @property
+    def choice_list(self) -> list[str]:
+        return list(json.loads(self.spec))
 
 
 class InvalidRequestError(ValueError):
@@ -60,6 +101,8 @@ class SamplingParams:
     beam_width: int = 0
     length_penalty: float = 1.0
     early_stopping: EarlyStopping = False
+    structured: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -95,6 +138,17 @@ class SamplingParams:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if not (1 <= self.n <= MAX_N):
             raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad(
+                f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise bad(f"logit_bias: token id {token_id} is negative")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise bad(
+                    f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias}"
+                )
         if self.beam_width:
             self._check_beam_search()
 
@@ -131,6 +185,8 @@ class SamplingParams:
                 "stop",
                 "stop_token_ids",
                 "min_tokens",
+                "structured",
+                "logit_bias",
             )
             if getattr(self, name) != getattr(defaults, name)
         ]

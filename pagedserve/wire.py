@@ -16,7 +16,12 @@ from pagedserve.plan import (
     StepPlan,
     StepResult,
 )
-from pagedserve.sampling_params import EarlyStopping, InvalidRequestError, SamplingParams
+from pagedserve.sampling_params import (
+    EarlyStopping,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
 from protos.v1 import common_pb2, worker_pb2
 
 _EARLY_STOPPING_TO_PROTO: dict[EarlyStopping, common_pb2.EarlyStopping] = {
@@ -58,6 +63,9 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if not p.skip_special_tokens:
         msg.skip_special_tokens = False
     msg.include_stop_str_in_output = p.include_stop_str_in_output
+    if p.structured is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(p.structured))
+    msg.logit_bias.extend(common_pb2.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias)
     if p.beam_width:
         msg.beam_width = p.beam_width
         msg.early_stopping = early_stopping_to_proto(p.early_stopping)
@@ -107,8 +115,35 @@ def sampling_from_proto(
         include_stop_str_in_output=msg.include_stop_str_in_output,
         beam_width=msg.beam_width,
         early_stopping=_EARLY_STOPPING_FROM_PROTO[msg.early_stopping],
+        structured=structured_from_proto(msg.structured_output)
+        if msg.HasField("structured_output")
+        else None,
+        logit_bias=tuple((b.token_id, float(b.bias)) for b in msg.logit_bias),
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutput:
+    msg = common_pb2.StructuredOutput()
+    if s.kind == "json_object":
+        msg.json_object = True
+    elif s.kind == "choice":
+        msg.choice.choices.extend(s.choice_list)
+    else:
+        setattr(msg, s.kind, s.spec)
+    return msg
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    """Raises InvalidRequestError for an empty or malformed constraint."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequestError("structured_output names no constraint")
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput.choices(list(msg.choice.choices))
+    return StructuredOutput(kind, getattr(msg, kind))
 
 
 def _moves_to_proto(moves: list[BlockMove]) -> list[worker_pb2.BlockMove]:
