@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -83,3 +84,103 @@ def test_bad_constraints_are_refused(stack: Stack) -> None:
             constrained(stack, "x", c)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert words in info.value.details(), info.value.details()
+
+
+def _greedy(stack: Stack, prompt: str, max_tokens: int = 24) -> list[int]:
+    req = pb.GenerateRequest(output_kind=pb.OUTPUT_KIND_FINAL_ONLY)
+    req.chat.messages.add(role="user", content=prompt)
+    req.sampling.max_tokens = max_tokens
+    req.sampling.temperature = 0.0
+    req.sampling.ignore_eos = True
+    return [t for c in stack.stub.Generate(req, timeout=600) for t in c.token_ids]
+
+
+PLAIN = ["Name three colors.", "What is 2 + 2?", "Say hello in French.", "Count to five."]
+
+
+def _valid_json(text: str) -> None:
+    import jsonschema
+
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_unconstrained_requests_are_unchanged_beside_constrained_ones(
+    spawn: Callable[..., ServerProcess],
+) -> None:
+    """float64, so that a different batch cannot move a greedy choice by rounding."""
+    stack = start_stack(spawn, smollm2_gguf(), dtype="float64", num_gpu_blocks=256)
+    alone = [_greedy(stack, p) for p in PLAIN]
+    c = common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    with ThreadPoolExecutor(8) as pool:
+        mixed = [pool.submit(_greedy, stack, p) for p in PLAIN]
+        json_outs = [
+            pool.submit(constrained, stack, "Describe a person as JSON.", c, temperature=0.8, n=2)
+            for _ in range(4)
+        ]
+        assert [f.result() for f in mixed] == alone
+        for f in json_outs:
+            for text in f.result():
+                _valid_json(text)
+
+
+def test_constraints_survive_preemption(spawn: Callable[..., ServerProcess]) -> None:
+    # 24 blocks of 16 tokens for 8 requests of ~40 + 200 tokens: preemption is certain.
+    stack = start_stack(
+        spawn,
+        smollm2_gguf(),
+        dtype="float32",
+        num_gpu_blocks=24,
+        cp_args=("--max-waiting", "64"),
+    )
+    c = common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    with ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(constrained, stack, f"Describe person {i} as JSON.", c, temperature=0.8)
+            for i in range(8)
+        ]
+        for f in futures:
+            for text in f.result():
+                _valid_json(text)
+    assert stack.stats().workers[0].num_preemptions > 0
+
+
+def test_constraints_survive_a_lost_worker(spawn: Callable[..., ServerProcess]) -> None:
+    stack = start_stack(
+        spawn,
+        smollm2_gguf(),
+        dtype="float32",
+        num_workers=2,
+        cp_args=("--worker-failover-timeout", "1"),
+    )
+    long_schema = {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {"type": "string", "pattern": "[a-z]{10,30}"},
+                "minItems": 5,
+                "maxItems": 5,
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+    c = common_pb2.StructuredOutput(json_schema=json.dumps(long_schema))
+
+    def run(i: int) -> list[str]:
+        return constrained(stack, f"List five words ({i}).", c, temperature=0.8, max_tokens=400)
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(run, i) for i in range(6)]
+        deadline = time.monotonic() + 120
+        while min(w.num_steps for w in stack.stats().workers) < 10:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert stack.stats().workers[1].num_running > 0, "the worker to kill had finished already"
+        stack.workers[1].proc.kill()
+        stack.workers[1].proc.wait()
+        import jsonschema
+
+        for f in futures:
+            for text in f.result(timeout=300):
+                jsonschema.validate(json.loads(text), long_schema)
