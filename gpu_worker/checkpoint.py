@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from gpu_worker.models.config import ModelConfig, UnsupportedModelError
 from gpu_worker.models.llama import CausalLM
+from gpu_worker.parallel import TPGroup
 from pagedserve.gguf import GGUFCheckpoint, GGUFError, find_gguf, open_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -24,20 +25,25 @@ class CheckpointError(ValueError):
 
 
 def load_model(
-    model_path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+    model_path: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    tp: TPGroup | None = None,
 ) -> CausalLM:
     """Build the model at `model_path` and fill it from its weights.
 
     `model_path` is an HF checkpoint directory (config.json + safetensors) or a GGUF file (or a
     directory holding one), whose tensors are dequantized at load. Tensors are cast to `dtype`
     and placed on `device`. Tensors the model does not use are ignored; a missing one raises
-    `CheckpointError` naming it.
+    `CheckpointError` naming it. With `tp`, the shard of one tensor-parallel rank: from
+    safetensors only its slices are read.
     """
     path = Path(model_path)
     gguf = _gguf(path)
     if gguf is not None:
         ckpt, config = gguf
-        return _fill(path, config, set(ckpt.tensor_names()), ckpt.tensor, dtype, device)
+        get = ckpt.tensor if tp is None else lambda n: tp.shard.slice(n, ckpt.tensor(n))
+        return _fill(path, config, set(ckpt.tensor_names()), get, dtype, device, tp)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: not an HF checkpoint directory")
     try:
@@ -52,7 +58,11 @@ def load_model(
         for file in files:
             handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             handles.update(dict.fromkeys(handle.keys(), handle))
-        return _fill(path, config, set(handles), lambda n: handles[n].get_tensor(n), dtype, device)
+        if tp is None:
+            get = lambda n: handles[n].get_tensor(n)  # noqa: E731
+        else:
+            get = lambda n: tp.shard.slice(n, handles[n].get_slice(n))  # noqa: E731
+        return _fill(path, config, set(handles), get, dtype, device, tp)
 
 
 def load_config(model_path: str | Path) -> ModelConfig:
@@ -80,8 +90,9 @@ def _fill(
     get: Callable[[str], torch.Tensor],
     dtype: torch.dtype,
     device: str | torch.device,
+    tp: TPGroup | None = None,
 ) -> CausalLM:
-    model = CausalLM(config, dtype=dtype, device=device)
+    model = CausalLM(config, dtype=dtype, device=device, tp=tp)
     missing = [name for name in model.checkpoint_tensor_names() if name not in available]
     if missing:
         shown = ", ".join(missing[:_MAX_NAMES_SHOWN])

@@ -46,6 +46,7 @@ class WorkerConfig:
     num_threads: int | None = None
     warmup_batch_size: int = 128  # decode batch sizes whose CPU kernels are built at startup
     grpc_security: GrpcSecurity = INSECURE  # who may call it: token, TLS / mTLS
+    tensor_parallel_size: int = 1  # rank processes sharing the model (gpu_worker/parallel.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in (AUTO, *DTYPES):
@@ -67,6 +68,10 @@ class WorkerConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.warmup_batch_size < 0:
             raise ValueError("warmup_batch_size must be >= 0")
+        if not (1 <= self.tensor_parallel_size <= 64):
+            raise ValueError(
+                f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}"
+            )
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 

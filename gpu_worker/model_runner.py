@@ -94,6 +94,9 @@ class ModelRunner:
         refused)."""
         self.model = model
         self._grammar = grammar
+        self.tp = model.tp
+        # Rank 0 of a tensor-parallel group samples; the others take its tokens.
+        self.samples = self.tp is None or self.tp.samples
         self.cache = cache
         self.backend = backend
         self.sampler = Sampler()
@@ -143,7 +146,17 @@ class ModelRunner:
             states = [self.requests[r] for r in batch.sample_req_ids]
             if states:
                 logits = self.model.compute_logits(hidden[batch.sample_rows])
-                result.sampled = self._sample(logits, states)
+                if self.samples:
+                    result.sampled = self._sample(logits, states)
+                if self.tp is not None:  # every rank appends rank 0's tokens
+                    ids = self.tp.broadcast_tokens(
+                        [t.token_id for t in result.sampled.values()] if self.samples else None,
+                        len(states),
+                    )
+                    if not self.samples:
+                        result.sampled = {
+                            s.req_id: SampledToken(t) for s, t in zip(states, ids, strict=True)
+                        }
             result.prompt_logprobs = self._prompt_logprobs(plan.num_scheduled_tokens, hidden)
             for req_id, n in plan.num_scheduled_tokens.items():
                 self.requests[req_id].num_computed_tokens += n
@@ -168,7 +181,7 @@ class ModelRunner:
     def _matcher(self, new: NewRequestData) -> Matcher | None:
         """A constrained request's matcher, past the output it already has (a resumed
         request replays its tokens)."""
-        if new.sampling.structured is None:
+        if new.sampling.structured is None or not self.samples:
             return None
         matcher = self.grammar().matcher(new.sampling.structured)
         for t in new.output_token_ids:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,14 +23,16 @@ from grpc_reflection.v1alpha import reflection
 
 from gpu_worker import cpu_isa
 from gpu_worker.attention import create_backend
-from gpu_worker.checkpoint import load_model, model_name, size_on_disk
+from gpu_worker.checkpoint import load_config, load_model, model_name, size_on_disk
 from gpu_worker.config import DTYPES, WorkerConfig
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
+from gpu_worker.parallel import Followers, Shard, TPGroup
 from pagedserve import grpc_security, wire
 from pagedserve.grammar import GrammarCompiler, vocab_tokenizer
 from pagedserve.log import get_logger, human_bytes
+from pagedserve.ports import free_port
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
@@ -109,11 +111,26 @@ class Worker:
     config: WorkerConfig
     runner: ModelRunner
     info: worker_pb2.WorkerInfo
+    followers: Followers | None = None  # tensor parallelism: ranks 1..N-1 (on rank 0)
+
+    def reset(self) -> None:
+        if self.followers is not None:
+            self.followers.send_reset()
+        self.runner.reset()
 
 
-def build_worker(cfg: WorkerConfig) -> Worker:
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -> Worker:
+    """Loads the model (rank `rank`'s shard under tensor parallelism, joining the group at
+    127.0.0.1:`tp_port`) and sizes its KV pool."""
+    tp = None
+    threads = cfg.num_threads
+    if cfg.tensor_parallel_size > 1:
+        assert tp_port is not None
+        shard = Shard.plan(load_config(cfg.model), rank, cfg.tensor_parallel_size)
+        tp = TPGroup.join(shard, tp_port, cfg.device)
+        threads = max(1, (threads or torch.get_num_threads()) // cfg.tensor_parallel_size)
+    if threads:
+        torch.set_num_threads(threads)
     dtype = cfg.torch_dtype
     if cfg.device != "cpu" and cfg.cache_dtype != cfg.model_dtype:
         raise ValueError("a KV cache dtype other than the model's is supported on CPU only")
@@ -135,7 +152,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         device=cfg.device,
     )
     t0 = time.perf_counter()
-    model = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    model = load_model(cfg.model, dtype=dtype, device=cfg.device, tp=tp)
     log.info(
         "model_loaded",
         architecture=model.config.architecture,
@@ -146,20 +163,24 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if calls := model.warm_up(cfg.warmup_batch_size):
         log.info("kernels_warmed_up", calls=calls, seconds=round(time.perf_counter() - t0, 2))
     mc = model.config
-    geometry = CacheGeometry(
+    # The whole model's pool geometry sizes the pool (the same block count on every rank, so
+    # block ids mean the same everywhere); each rank holds its KV heads' part of every block.
+    whole = CacheGeometry(
         num_layers=mc.num_hidden_layers,
         num_kv_heads=mc.num_key_value_heads,
         head_dim=mc.head_dim,
         block_size=cfg.block_size,
         dtype=DTYPES[cfg.cache_dtype],
     )
-    num_gpu_blocks = _num_device_blocks(cfg, geometry, model)
-    num_cpu_blocks = geometry.num_blocks_for(cfg.swap_space)
+    geometry = whole if tp is None else replace(whole, num_kv_heads=tp.shard.num_kv_heads)
+    num_heads = mc.num_attention_heads if tp is None else tp.shard.num_heads
+    num_gpu_blocks = _num_device_blocks(cfg, whole, geometry, model, num_heads)
+    num_cpu_blocks = whole.num_blocks_for(cfg.swap_space)
+    if tp is not None:  # on CUDA each rank measured its own device
+        num_gpu_blocks = tp.min(num_gpu_blocks)
     cache = KVCache(geometry, num_gpu_blocks, num_cpu_blocks, cfg.device)
     _log_pools(cache, cfg)
-    backend = create_backend(
-        cfg.attention_backend, cache, mc.num_attention_heads, mc.head_dim, cfg.device
-    )
+    backend = create_backend(cfg.attention_backend, cache, num_heads, mc.head_dim, cfg.device)
     max_model_len = mc.max_model_len
     if cfg.max_model_len is not None:
         max_model_len = min(max_model_len, cfg.max_model_len)
@@ -179,8 +200,11 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         epoch=time.time_ns(),
         vocab_size=mc.vocab_size,
         attention_backend=backend.name,
-        kv_cache_bytes=cache.nbytes,
+        kv_cache_bytes=cache.nbytes * cfg.tensor_parallel_size,
+        tensor_parallel_size=cfg.tensor_parallel_size,
     )
+    if tp is not None and not tp.samples:  # a follower: rank 0 samples and matches grammars
+        return Worker(cfg, ModelRunner(model, cache, backend), info)
     # The structured-output compiler (~1 s for a 50k vocabulary) is built while the worker
     # warms up; the first constrained request waits for it if it comes sooner.
     grammar = futures.ThreadPoolExecutor(1, thread_name_prefix="grammar").submit(
@@ -214,21 +238,24 @@ def _log_pools(cache: KVCache, cfg: WorkerConfig) -> None:
         )
 
 
-def _num_device_blocks(cfg: WorkerConfig, geometry: CacheGeometry, model: CausalLM) -> int:
+def _num_device_blocks(
+    cfg: WorkerConfig,
+    whole: CacheGeometry,
+    geometry: CacheGeometry,
+    model: CausalLM,
+    num_heads: int,
+) -> int:
+    """KV blocks of the pool: on CPU what --kv-cache-memory holds of the whole model's
+    blocks (split over the ranks under tensor parallelism); on CUDA what this device has left
+    for its rank's `geometry`."""
     if cfg.device == "cpu":
-        return geometry.num_blocks_for(cfg.kv_cache_memory)
+        return whole.num_blocks_for(cfg.kv_cache_memory)
     # CUDA: what the utilization budget leaves after the weights and a profiling pass of one
     # max-size prefill (activations), measured rather than guessed.
     torch.cuda.reset_peak_memory_stats(cfg.device)
     n = cfg.max_num_batched_tokens
     probe = KVCache(geometry, math.ceil(n / geometry.block_size), 0, cfg.device)
-    backend = create_backend(
-        cfg.attention_backend,
-        probe,
-        model.config.num_attention_heads,
-        geometry.head_dim,
-        cfg.device,
-    )
+    backend = create_backend(cfg.attention_backend, probe, num_heads, geometry.head_dim, cfg.device)
     runner = ModelRunner(model, probe, backend)
     runner.profile(n)
     peak = torch.cuda.max_memory_allocated(cfg.device) - probe.nbytes
@@ -258,7 +285,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> Iterator[worker_pb2.StepResult]:
         if not self._stream_lock.acquire(timeout=STREAM_ACQUIRE_TIMEOUT_S):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open")
-        runner = self.worker.runner
         steps: queue.SimpleQueue[tuple[int, futures.Future[worker_pb2.StepResult]] | None] = (
             queue.SimpleQueue()
         )
@@ -268,7 +294,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             target=self._read_plans, args=(request_iterator, steps), name="plans", daemon=True
         )
         try:
-            self.model.submit(runner.reset).result()
+            self.model.submit(self.worker.reset).result()
             log.info("execute_stream_opened", peer=context.peer())
             reader.start()
             while (step := steps.get()) is not None:
@@ -287,7 +313,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # the next stream must not see a plan of this one.
             if reader.is_alive():
                 reader.join(timeout=STREAM_ACQUIRE_TIMEOUT_S)
-            self.model.submit(runner.reset)  # after any step still queued
+            self.model.submit(self.worker.reset)  # after any step still queued
             self._stream_lock.release()
 
     def _read_plans(
@@ -295,31 +321,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: Iterator[worker_pb2.StepPlan],
         steps: queue.SimpleQueue[tuple[int, futures.Future[worker_pb2.StepResult]] | None],
     ) -> None:
-        runner = self.worker.runner
         try:
             for msg in request_iterator:
-                steps.put((msg.step_id, self.model.submit(partial(_step, runner, msg))))
+                steps.put((msg.step_id, self.model.submit(partial(_step, self.worker, msg))))
         except grpc.RpcError:
             pass  # the call was cancelled or the control plane went away
         finally:
             steps.put(None)
 
 
-def _step(runner: ModelRunner, msg: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+def _step(worker: Worker, msg: worker_pb2.StepPlan) -> worker_pb2.StepResult:
     """Decodes, runs and encodes one step, all on the model thread. The gRPC threads then only
     move messages: their Python would otherwise hold the GIL at the model thread's op
     boundaries, and every hand-over of the GIL costs the step time. A plan that does not decode
-    fails its step with INVALID_ARGUMENT, which ends the stream."""
-    return wire.result_to_proto(runner.execute(wire.plan_from_proto(msg)))
+    fails its step with INVALID_ARGUMENT, which ends the stream. Under tensor parallelism the
+    plan's bytes go to the other ranks first."""
+    plan = wire.plan_from_proto(msg)
+    if worker.followers is not None:
+        worker.followers.send_plan(msg.SerializeToString())
+    return wire.result_to_proto(worker.runner.execute(plan))
 
 
 def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
     """Loads the model and serves until the process is stopped; the calling thread runs the
     model (see ModelThread)."""
     model = ModelThread()
+    followers = None
     try:
-        worker = build_worker(cfg)
+        if cfg.tensor_parallel_size > 1:
+            # A split that cannot work is said before any rank starts.
+            Shard.plan(load_config(cfg.model), 0, cfg.tensor_parallel_size)
+            port = free_port()
+            followers = Followers(cfg, cfg.tensor_parallel_size, port)
+            worker = build_worker(cfg, rank=0, tp_port=port)
+            worker.followers = followers
+            followers.watch()
+        else:
+            worker = build_worker(cfg)
     except ValueError as exc:  # a checkpoint, a dtype or a pool size that cannot be served
+        if followers is not None:
+            followers.stop()
         raise WorkerStartupError(str(exc)) from exc
     log.info(
         "worker_ready",
@@ -370,3 +411,5 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
     finally:
         health_servicer.enter_graceful_shutdown()
         server.stop(grace=5).wait()
+        if followers is not None:
+            followers.stop()

@@ -151,6 +151,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
             served_model_name=a.served_model_name,
             max_model_len=a.max_model_len,
             num_threads=a.num_threads,
+            tensor_parallel_size=a.tensor_parallel_size,
             warmup_batch_size=a.warmup_batch_size,
             grpc_security=_grpc_security(a),
         )
@@ -317,6 +318,14 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(p, "--max-model-len", type=int, default=None, help="cap the context length")
     _flag(p, "--num-threads", type=int, default=None, help="torch intra-op threads")
+    _flag(
+        p,
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="rank processes the model is split over (its heads, MLP columns, vocabulary and "
+        "KV heads); the threads are shared among them",
+    )
     _flag(
         p,
         "--warmup-batch-size",

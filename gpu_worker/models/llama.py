@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ from gpu_worker.models.base import AttentionFn
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.fused_ops import TorchOps, ops_for
 from gpu_worker.models.rope import cos_sin_table, inv_frequencies
+
+if TYPE_CHECKING:
+    from gpu_worker.parallel import TPGroup
 
 TensorSource = Callable[[str], torch.Tensor]
 """Returns the checkpoint tensor with the given HF name."""
@@ -116,11 +119,20 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class DecoderLayer(nn.Module):
-    """Attention and SwiGLU MLP blocks, each pre-normed with a residual connection."""
+    """Attention and SwiGLU MLP blocks, each pre-normed with a residual connection. Under
+    tensor parallelism (`tp`) it holds its rank's heads and intermediate columns, and sums the
+    ranks' partial o_proj and down_proj outputs."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         c = config
+        self.tp = tp
 
         def param(*shape: int) -> nn.Parameter:
             return _param(*shape, dtype=dtype, device=device)
@@ -176,10 +188,15 @@ class DecoderLayer(nn.Module):
         qk = ops.rotate(qk, rope)
         out = attn(layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:])
         o = _linear(out.reshape(num_tokens, -1), self.o_weight, self.o_bias, self.o_packed)
+        if self.tp is not None:
+            self.tp.all_reduce(o)
 
         h, x = ops.add_rms_norm(h, o, self.post_norm, self.eps)
         act = ops.silu_mul(_linear(x, self.gate_up_weight, None, self.gate_up_packed))
-        return h, _linear(act, self.down_weight, None, self.down_packed)
+        down = _linear(act, self.down_weight, None, self.down_packed)
+        if self.tp is not None:
+            self.tp.all_reduce(down)
+        return h, down
 
     def load_weights(self, prefix: str, get: TensorSource) -> None:
         """Copy the HF tensors under `prefix` (`model.layers.N.`) into the merged weights."""
@@ -212,20 +229,26 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        tp: TPGroup | None = None,
     ) -> None:
+        """With `tp`, the shard of one tensor-parallel rank (`gpu_worker/parallel.py`);
+        `config` stays the whole model's."""
         super().__init__()
         dev = torch.device(device)
         self.config = config
         self.dtype = dtype
-        self.embed = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=dev)
+        self.tp = tp
+        layer_config = tp.shard.layer_config(config) if tp is not None else config
+        vocab_rows = tp.shard.vocab_rows if tp is not None else config.vocab_size
+        self.embed = _param(vocab_rows, config.hidden_size, dtype=dtype, device=dev)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, dev) for _ in range(config.num_hidden_layers)
+            DecoderLayer(layer_config, dtype, dev, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = _param(config.hidden_size, dtype=dtype, device=dev)
         self.lm_head = (
             self.embed
             if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=dev)
+            else _param(vocab_rows, config.hidden_size, dtype=dtype, device=dev)
         )
         inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         self.rope_cache: torch.Tensor
@@ -248,7 +271,13 @@ class CausalLM(nn.Module):
         """
         ops = self.ops
         rope = ops.rope_for(positions, self.rope_cache)
-        h = F.embedding(input_ids, self.embed)
+        if self.tp is None:
+            h = F.embedding(input_ids, self.embed)
+        else:  # this rank's rows of the vocabulary, zeros for the others', summed
+            local = input_ids - self.tp.shard.vocab_start
+            held = (local >= 0) & (local < self.embed.shape[0])
+            h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed)
+            h = self.tp.all_reduce(h * held.unsqueeze(1).to(h.dtype))
         delta = None
         for layer_idx, layer in enumerate(self.layers):
             h, delta = layer(layer_idx, h, delta, rope, attn, ops)
@@ -265,12 +294,13 @@ class CausalLM(nn.Module):
         rounded values, whose error is far below anything sampling can resolve there.
         """
         logits = _linear(hidden, self.lm_head, None, self.lm_head_packed).to(self.logits_dtype)
-        if self.dtype.itemsize >= 4:
-            return logits
-        top = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=1).indices  # [R, k]
-        rows = self.lm_head[top].to(self.logits_dtype)  # [R, k, hidden]
-        exact = torch.bmm(rows, hidden.to(self.logits_dtype).unsqueeze(2)).squeeze(2)
-        return logits.scatter_(1, top, exact)
+        if self.dtype.itemsize < 4:
+            top = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=1).indices  # [R, k]
+            rows = self.lm_head[top].to(self.logits_dtype)  # [R, k, hidden]
+            exact = torch.bmm(rows, hidden.to(self.logits_dtype).unsqueeze(2)).squeeze(2)
+            logits.scatter_(1, top, exact)
+        # Each rank refined its own rows' best: the overall best are among them.
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     @torch.inference_mode()
     def warm_up(self, max_rows: int) -> int:
@@ -326,7 +356,8 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, get: TensorSource) -> None:
-        """Fill every weight from HF-named checkpoint tensors (cast to the model's dtype)."""
+        """Fill every weight from HF-named checkpoint tensors (cast to the model's dtype);
+        under tensor parallelism `get` gives this rank's slices (`Shard.slice`)."""
         _copy(self.embed, get, ["model.embed_tokens.weight"])
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "model_path", "architecture", "dtype", "device", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "eos_token_ids", "epoch", "vocab_size", "attention_backend", "kv_cache_bytes", "kv_cache_dtype", "cpu_bf16_isa")
+    __slots__ = ("model", "model_path", "architecture", "dtype", "device", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "eos_token_ids", "epoch", "vocab_size", "attention_backend", "kv_cache_bytes", "kv_cache_dtype", "cpu_bf16_isa", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class WorkerInfo(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CPU_BF16_ISA_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     architecture: str
@@ -45,7 +46,8 @@ class WorkerInfo(_message.Message):
     kv_cache_bytes: int
     kv_cache_dtype: str
     cpu_bf16_isa: str
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., cpu_bf16_isa: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., cpu_bf16_isa: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class BlockMove(_message.Message):
     __slots__ = ("src", "dst")

@@ -1,0 +1,160 @@
+"""Tensor parallelism inside a worker (gloo on CPU): a TP group's greedy output equals
+transformers' token for token in float64, under chunked prefill, preemption, prefix caching
+and n > 1; a rank that dies takes its group down and the requests move; an impossible split
+is refused at start."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedserve.model_source import smollm2_gguf
+from tests.conftest import MICRO
+from tests.oracle import hf_greedy
+from tests.procs import ServerProcess
+from tests.stack import Stack, generate, greedy_to_length, start_stack
+
+TP = ("--tensor-parallel-size", "2")
+
+
+def _prompts(seed: int, count: int, lo: int = 5, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def _run_all(stack: Stack, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: greedy_to_length(stack.stub, p, max_tokens), prompts))
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", MICRO),  # GQA: 4 query heads, 2 KV heads
+        ("qwen2", {**MICRO, "tie_word_embeddings": True}),  # qkv bias, tied embeddings
+        ("llama", {**MICRO, "num_key_value_heads": 1}),  # one KV head, replicated on both ranks
+    ],
+    ids=["llama-gqa", "qwen2-bias-tied", "llama-kv-replicated"],
+)
+def test_tp2_greedy_equals_transformers(
+    arch: str,
+    overrides: dict[str, Any],
+    make_checkpoint: Callable[..., Path],
+    spawn: Callable[..., ServerProcess],
+) -> None:
+    ckpt = make_checkpoint(arch, **overrides)
+    prompts = _prompts(1, 6)
+    expected = hf_greedy(ckpt, prompts, [24] * len(prompts))
+    stack = start_stack(spawn, ckpt, dtype="float64", worker_args=TP)
+    assert _run_all(stack, prompts, 24) == expected
+    info = stack.stats().workers[0]
+    assert info.healthy
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_tp2_under_pressure(
+    preemption: str, micro_llama: Path, spawn: Callable[..., ServerProcess]
+) -> None:
+    """Chunked prefill (16-token chunks), forced preemption (24 blocks), prefix caching (every
+    prompt shares a 32-token head) and n = 3 (every child greedy)."""
+    head = _prompts(2, 1, 32, 32)[0]
+    prompts = [head + p for p in _prompts(3, 6, 10, 40)]
+    expected = hf_greedy(micro_llama, prompts, [40] * len(prompts))
+    stack = start_stack(
+        spawn,
+        micro_llama,
+        dtype="float64",
+        num_gpu_blocks=24,
+        worker_args=TP,
+        cp_args=(
+            "--max-num-batched-tokens",
+            "16",
+            "--preemption",
+            preemption,
+            "--max-waiting",
+            "64",
+        ),  # fmt: skip
+    )
+    assert _run_all(stack, prompts, 40) == expected
+    out = generate(stack.stub, prompts[0], max_tokens=40, temperature=0.0, ignore_eos=True, n=3)
+    by_index: dict[int, list[int]] = {}
+    for c in out.chunks:
+        by_index.setdefault(c.index, []).extend(c.token_ids)
+    assert [by_index[i] for i in range(3)] == [expected[0]] * 3
+    w = stack.stats().workers[0]
+    assert w.num_preemptions > 0 and w.num_chunked_prefill_steps > 0
+    assert w.prefix_cache_hits > 0
+
+
+def test_smollm2_tp3_equals_tp1(spawn: Callable[..., ServerProcess]) -> None:
+    """SmolLM2's 9 heads and 3 KV heads split over 3 ranks."""
+    gguf = smollm2_gguf()
+    prompts = _prompts(4, 3, 10, 30)
+    one = start_stack(spawn, gguf, dtype="float64", num_gpu_blocks=128)
+    expected = _run_all(one, prompts, 16)
+    three = start_stack(
+        spawn,
+        gguf,
+        dtype="float64",
+        num_gpu_blocks=128,
+        worker_args=("--tensor-parallel-size", "3"),
+    )
+    assert _run_all(three, prompts, 16) == expected
+
+
+def test_an_impossible_split_is_refused(port: int) -> None:
+    """SmolLM2's 9 attention heads do not split over 2 ranks: one line, a non-zero exit, and
+    no rank left running."""
+    cmd = [
+        sys.executable, "-m", "pagedserve.cli", "worker", "--model", str(smollm2_gguf()),
+        "--port", str(port), "--tensor-parallel-size", "2",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "9 attention heads do not split over tensor-parallel size 2" in proc.stderr
+    leftover = subprocess.run(
+        ["pgrep", "-f", "gpu_worker.parallel"], capture_output=True, text=True
+    ).stdout
+    assert not leftover.strip()
+
+
+def test_a_dead_rank_takes_its_group_down_and_requests_move(
+    micro_llama: Path, spawn: Callable[..., ServerProcess]
+) -> None:
+    prompts = _prompts(5, 6, 20, 60)
+    max_tokens = 120
+    expected = hf_greedy(micro_llama, prompts, [max_tokens] * len(prompts))
+    stack = start_stack(
+        spawn,
+        micro_llama,
+        dtype="float64",
+        num_workers=2,
+        worker_args=TP,
+        cp_args=("--worker-failover-timeout", "1"),
+    )
+    group = stack.workers[1]
+    ranks = subprocess.run(
+        ["pgrep", "-P", str(group.proc.pid), "-f", "gpu_worker.parallel"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert len(ranks) == 1, ranks
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(greedy_to_length, stack.stub, p, max_tokens) for p in prompts]
+        deadline = time.monotonic() + 60
+        while min(w.num_generated_tokens for w in stack.stats().workers) < 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        subprocess.run(["kill", "-9", ranks[0]], check=True)
+        outs = [f.result(timeout=180) for f in futures]
+    assert outs == expected
+    group.proc.wait(timeout=30)  # rank 0 left with its rank 1
+    assert group.proc.returncode != 0
