@@ -126,6 +126,9 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
     threads = cfg.num_threads
     if cfg.tensor_parallel_size > 1:
         assert tp_port is not None
+        if cfg.device.startswith("cuda"):  # rank r on visible device r
+            cfg = replace(cfg, device=f"cuda:{rank}")
+            torch.cuda.set_device(rank)
         shard = Shard.plan(load_config(cfg.model), rank, cfg.tensor_parallel_size)
         tp = TPGroup.join(shard, tp_port, cfg.device)
         threads = max(1, (threads or torch.get_num_threads()) // cfg.tensor_parallel_size)
