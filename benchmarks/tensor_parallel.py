@@ -129,9 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     print(f"W64 offline, {preset}, {a.dtype}, {a.threads} threads")
     print(format_table(["TP", "threads/rank", "tok/s", "vs TP=1", "same tokens"], rows))
-    for size, timing in reduce.items():
+    for ranks, timing in reduce.items():
         print(
-            f"all-reduce of [{ALL_REDUCE_ROWS}, {config.hidden_size}] {a.dtype} over {size} ranks "
+            f"all-reduce of [{ALL_REDUCE_ROWS}, {config.hidden_size}] {a.dtype} over {ranks} ranks "
             f"(gloo): median {timing['median_us']:.0f} us, p90 {timing['p90_us']:.0f} us"
         )
     report = {
