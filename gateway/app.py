@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ from gateway.protocol import (
     SamplingFields,
     TokenizeRequest,
     message_texts,
+    tools_json,
 )
 from gateway.responses import ChatFormat, CompletionFormat, Format
 from gateway.schemas import (
@@ -43,6 +44,7 @@ from gateway.schemas import (
     VersionResponse,
     sse_response,
 )
+from gateway.tools import CallListParser, HermesParser, NamedCallParser, ToolCallParser
 from gateway.upstream import Upstream
 from pagedserve import __version__
 from pagedserve.log import get_logger
@@ -165,7 +167,13 @@ class Gateway:
             self.config.retry_after_s,
             self.config.stream_stall_timeout_s,
         )
-        return await respond(request, events, choices, fmt, body.n, body.stream, body.include_usage)
+        try:
+            return await respond(
+                request, events, choices, fmt, body.n, body.stream, body.include_usage
+            )
+        except APIError as err:
+            _name_param(err, body)
+            raise
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -265,8 +273,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
         base.chat.messages.extend(
             pb.ChatMessage(role=role, content=content) for role, content in body.message_texts()
         )
+        base.chat.tools_json = body.tools_json()
         choices = expand_choices(base, body.n, 0, rid, True)
-        fmt = ChatFormat(f"chatcmpl-{rid}", shown, logprobs, body.n, body.prompt_logprobs)
+        fmt = ChatFormat(
+            f"chatcmpl-{rid}",
+            shown,
+            logprobs,
+            body.n,
+            body.prompt_logprobs,
+            tool_parser=_tool_parser(body),
+            head_content="" if body.tool_mode in (None, "auto") else None,
+        )
         return await gw.run(request, body, choices, fmt)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
@@ -296,12 +313,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 pb.ChatMessage(role=role, content=content)
                 for role, content in message_texts(body.messages)
             )
+            if body.tools:
+                req.chat.tools_json = tools_json(body.tools)
         else:
             assert body.prompt is not None
             req.text = body.prompt
             if body.add_special_tokens is not None:
                 req.add_special_tokens = body.add_special_tokens
-        resp = await gw.upstream_call(gw.upstream.tokenize(req))
+        try:
+            resp = await gw.upstream_call(gw.upstream.tokenize(req))
+        except APIError as err:
+            if err.status == 400 and "render tools" in err.message:
+                err.param = "tools"
+            raise
         return TokenizeResponse(
             count=len(resp.token_ids),
             max_model_len=resp.max_model_len,
@@ -377,6 +401,38 @@ def _beam_search(body: SamplingFields, sampling: common_pb2.SamplingParams) -> N
     if body.length_penalty != 1.0:
         sampling.length_penalty = body.length_penalty
     sampling.early_stopping = early_stopping_to_proto(body.early_stopping)
+
+
+def _tool_parser(body: ChatCompletionRequest) -> Callable[[], ToolCallParser] | None:
+    """How each choice's text becomes tool calls, for the request's tool_choice."""
+    names = body.tool_names
+    if body.tool_mode == "auto":
+        return lambda: HermesParser(names)
+    if body.tool_mode == "required":
+        return lambda: CallListParser(names)
+    name = body.named_tool
+    if body.tool_mode == "function" and name is not None:
+        return lambda: NamedCallParser(name)
+    return None
+
+
+# The control plane's refusals start with the field they are about.
+_CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _name_param(err: APIError, body: SamplingFields) -> None:
+    """A control-plane 400 about the output constraint, logit_bias or tools names the request
+    field it came from."""
+    if err.status != 400 or err.param is not None:
+        return
+    first = err.message.split(" ", 1)[0].rstrip(":")
+    constraint = body.output_constraint()
+    if first in _CONSTRAINT_KINDS and constraint is not None:
+        err.param = constraint.param
+    elif first == "logit_bias":
+        err.param = "logit_bias"
+    elif "render tools" in err.message:
+        err.param = "tools"
 
 
 def _log_ignored(body: Any) -> None:

@@ -16,7 +16,7 @@ import grpc
 
 from gateway.errors import APIError, bad_request, from_grpc
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import SamplingFields
+from gateway.protocol import Constraint, SamplingFields
 from gateway.upstream import Upstream
 from pagedserve.log import get_logger
 from protos.v1 import common_pb2
@@ -81,6 +81,24 @@ def sampling_proto(body: SamplingFields, logprobs: int | None) -> common_pb2.Sam
         msg.logprobs = logprobs
     if body.prompt_logprobs is not None:
         msg.prompt_logprobs = body.prompt_logprobs
+    constraint = body.output_constraint()
+    if constraint is not None:
+        msg.structured_output.CopyFrom(constraint_proto(constraint))
+    if body.logit_bias:
+        msg.logit_bias.extend(
+            common_pb2.LogitBias(token_id=t, bias=b) for t, b in sorted(body.logit_bias.items())
+        )
+    return msg
+
+
+def constraint_proto(c: Constraint) -> common_pb2.StructuredOutput:
+    msg = common_pb2.StructuredOutput()
+    if c.kind == "json_object":
+        msg.json_object = True
+    elif c.kind == "choice":
+        msg.choice.choices.extend(c.choices)
+    else:
+        setattr(msg, c.kind, c.spec)
     return msg
 
 

@@ -119,6 +119,10 @@ _UNION_SHAPES = {
     f"lists (token ids in [0, {2**32 - 1}])",
     "stop": "a non-empty string or a list of them",
     "content": "a string or a list of content parts",
+    "guided_json": "a JSON schema: an object, or a string holding one",
+    "json": "a JSON schema: an object, or a string holding one",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": '
+    "<one of the tools>}}",
 }
 
 

@@ -8,6 +8,9 @@ span fields or name features the gateway does not offer.
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,7 +25,8 @@ from pydantic import (
 )
 
 from gateway.errors import bad_request
-from pagedserve.sampling_params import MAX_LOGPROBS, MAX_N, EarlyStopping
+from gateway.tools import EMPTY_PARAMETERS, TOOL_NAME, SchemaError, check_schema, required_schema
+from pagedserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, EarlyStopping
 
 UINT32_MAX = 2**32 - 1
 MAX_CHOICES = 256  # prompts x n in one request
@@ -45,6 +49,69 @@ def _early_stopping(value: Any) -> EarlyStopping:
     if value is True or value is False or value == "never":
         return value  # type: ignore[no-any-return]
     raise ValueError('must be true, false or "never"')
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON object keys) to biases in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be an object mapping token ids to biases")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"holds at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and int(key) <= UINT32_MAX):
+            raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, int | float)
+            or not (math.isfinite(bias) and -100 <= bias <= 100)
+        ):
+            raise ValueError(f"the bias of token {key} must be a number in [-100, 100]")
+        out[int(key)] = float(bias)
+    return out
+
+
+LogitBias = Annotated[
+    dict[int, float] | None,
+    PlainValidator(
+        _logit_bias,
+        json_schema_input_type=dict[
+            Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]
+        ]
+        | None,
+    ),
+    Field(
+        description="Token id -> bias added to its logit before sampling, in [-100, 100] "
+        f"(-100 bans the token, 100 all but forces it); at most {MAX_LOGIT_BIAS} tokens"
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, and the request field that asked for it. `kind` and
+    `spec` as `pagedserve.sampling_params.StructuredOutput` takes them."""
+
+    param: str
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    """A client's JSON schema (an object, or a string holding one), checked, as compact JSON."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise bad_request(f"{param}: not valid JSON: {exc}", param) from None
+    try:
+        check_schema(schema, param)
+    except SchemaError as exc:
+        raise bad_request(f"{exc.path}: {exc.message}", param) from None
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 
 def _reject_lone_surrogates(value: Any) -> None:
@@ -78,7 +145,8 @@ class _Body(BaseModel):
     def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
         model = handler(data)
         if isinstance(data, dict) and isinstance(model, _Body):
-            model._ignored = [k for k in data if k not in cls.model_fields]
+            known = {f.alias or name for name, f in cls.model_fields.items()}
+            model._ignored = [k for k in data if k not in known]
         return model
 
     def ignored_fields(self, prefix: str = "") -> list[str]:
@@ -99,8 +167,45 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+ChoiceList = Annotated[list[NonEmptyStr], Field(min_length=1)]
+SchemaOrText = dict[str, Any] | str
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="The JSON schema the output is an instance of"
+    )
+    strict: bool | None = Field(
+        None, description="Accepted; the output always follows the schema (compact JSON)"
+    )
+
+
+class ResponseFormat(_Body):
+    """OpenAI's: plain `text`, any JSON object, or an instance of a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: SchemaOrText | None = Field(
+        None, alias="json", description="A JSON schema (or a string holding one)"
+    )
+    regex: NonEmptyStr | None = None
+    choice: ChoiceList | None = None
+    grammar: NonEmptyStr | None = Field(None, description="An EBNF grammar (`root ::= ...`)")
+    json_object: bool | None = None
+
+
 class SamplingFields(_Body):
     """What /v1/completions and /v1/chat/completions share."""
+
+    _constraint: tuple[Constraint | None] | None = PrivateAttr(default=None)
 
     model: Annotated[str, Field(max_length=512)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
@@ -122,7 +227,23 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=512)] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias = None
+    response_format: ResponseFormat | None = None
+    guided_json: SchemaOrText | None = Field(
+        None, description="vLLM's: the output is an instance of this JSON schema"
+    )
+    guided_regex: NonEmptyStr | None = Field(
+        None, description="vLLM's: the whole output matches this regular expression"
+    )
+    guided_choice: ChoiceList | None = Field(
+        None, description="vLLM's: the output is one of these strings"
+    )
+    guided_grammar: NonEmptyStr | None = Field(
+        None, description="vLLM's: the output is a sentence of this EBNF grammar (`root ::= ...`)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's newer form of the guided_* parameters"
+    )
     best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = None
     # vLLM's: each prompt token's logprob and this many alternatives (not streamed).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
@@ -176,8 +297,7 @@ class SamplingFields(_Body):
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        self.output_constraint()
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request(
                 "prompt_logprobs is not available when stream is true", "prompt_logprobs"
@@ -188,6 +308,61 @@ class SamplingFields(_Body):
             raise bad_request(
                 "best_of other than n is not supported (but with use_beam_search)", "best_of"
             )
+
+    def constraints(self) -> list[Constraint]:
+        """Every output constraint the request asks for, in the order the fields are listed."""
+        out: list[Constraint] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            out.append(Constraint("response_format", "json_object"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise bad_request(
+                    'response_format of type "json_schema" needs json_schema',
+                    "response_format.json_schema",
+                )
+            param = "response_format.json_schema.schema"
+            if rf.json_schema.schema_ is None:
+                raise bad_request(f"{param} is required", param)
+            spec = _schema_text(rf.json_schema.schema_, param)
+            out.append(Constraint(param, "json_schema", spec))
+        if self.guided_json is not None:
+            spec = _schema_text(self.guided_json, "guided_json")
+            out.append(Constraint("guided_json", "json_schema", spec))
+        if self.guided_regex is not None:
+            out.append(Constraint("guided_regex", "regex", self.guided_regex))
+        if self.guided_choice is not None:
+            out.append(Constraint("guided_choice", "choice", choices=tuple(self.guided_choice)))
+        if self.guided_grammar is not None:
+            out.append(Constraint("guided_grammar", "grammar", self.guided_grammar))
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_ is not None:
+                param = "structured_outputs.json"
+                out.append(Constraint(param, "json_schema", _schema_text(so.json_, param)))
+            if so.regex is not None:
+                out.append(Constraint("structured_outputs.regex", "regex", so.regex))
+            if so.choice is not None:
+                c = Constraint("structured_outputs.choice", "choice", choices=tuple(so.choice))
+                out.append(c)
+            if so.grammar is not None:
+                out.append(Constraint("structured_outputs.grammar", "grammar", so.grammar))
+            if so.json_object:
+                out.append(Constraint("structured_outputs.json_object", "json_object"))
+        return out
+
+    def output_constraint(self) -> Constraint | None:
+        """The request's one output constraint; a 400 naming both when it asks for two."""
+        if self._constraint is None:
+            found = self.constraints()
+            if len(found) > 1:
+                raise bad_request(
+                    f"at most one output constraint per request: {found[0].param} and "
+                    f"{found[1].param} were both given",
+                    found[1].param,
+                )
+            self._constraint = (found[0] if found else None,)
+        return self._constraint[0]
 
     @property
     def beam_width(self) -> int:
@@ -232,6 +407,14 @@ class SamplingFields(_Body):
                 f"with use_beam_search, best_of (the beam width, {self.best_of}) must be at "
                 f"least n (the sequences returned, {self.n})",
                 "best_of",
+            )
+        constraint = self.output_constraint()
+        if constraint is not None or self.logit_bias:
+            name = constraint.param.split(".")[0] if constraint is not None else "logit_bias"
+            raise bad_request(
+                f"use_beam_search does not take {name}: beams are scored over the model's "
+                "own distribution; leave it out with use_beam_search",
+                name,
             )
         conflicts = self.beam_search_conflicts()
         if conflicts:
@@ -315,8 +498,71 @@ def message_texts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
 Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=65536)]
 
 
-class ResponseFormat(_Body):
-    type: Annotated[str, Field(max_length=64)]
+class FunctionDefinition(_Body):
+    name: Annotated[
+        str,
+        Field(
+            pattern=f"^{TOOL_NAME.pattern}$",
+            description="1 to 64 letters, digits, underscores or dashes; unique among the tools",
+        ),
+    ]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="The arguments' JSON schema; none: the function takes no arguments"
+    )
+    strict: bool | None = Field(
+        None, description="Accepted; calls a tool_choice forces always follow the schema"
+    )
+
+    @property
+    def parameters_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else EMPTY_PARAMETERS
+
+    def as_tool(self) -> dict[str, Any]:
+        """The definition as a chat template reads it (`tools` of apply_chat_template)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters_schema
+        return {"type": "function", "function": fn}
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+Tools = Annotated[list[Tool], Field(max_length=128)]
+
+
+def check_tools(tools: list[Tool]) -> None:
+    """Unique names, and parameters that are JSON schemas."""
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if fn.name in seen:
+            raise bad_request(
+                f"tools {seen[fn.name]} and {i} are both called {fn.name!r}; names must be unique",
+                f"tools.{i}.function.name",
+            )
+        seen[fn.name] = i
+        if fn.parameters is not None:
+            _schema_text(fn.parameters, f"tools.{i}.function.parameters")
+
+
+def tools_json(tools: list[Tool]) -> str:
+    """The tools as the chat template reads them (ChatPrompt.tools_json)."""
+    return json.dumps([t.function.as_tool() for t in tools], ensure_ascii=False)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -325,8 +571,17 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
+    tools: Tools | None = Field(
+        None, description="Functions the model may call (OpenAI's function tools)"
+    )
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description='"auto" (the default with tools): the chat template shows the tools and '
+        'the calls the model writes come back as tool_calls; "required": the output is one '
+        'or more calls of the tools; {"type": "function", "function": {"name"}}: the output '
+        'is that function\'s arguments; "none": the tools are left out',
+    )
+    parallel_tool_calls: bool = Field(True, description='false: "required" makes exactly one call')
 
     def effective_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -349,17 +604,65 @@ class ChatCompletionRequest(SamplingFields):
         return out
 
     def check(self) -> None:
+        self._check_tools()
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(
-                f"response_format {self.response_format.type!r} is not supported",
-                "response_format",
-            )
         self.message_texts()
+
+    def _check_tools(self) -> None:
+        if self.tool_choice is not None and not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        check_tools(self.tools or [])
+        named = self.named_tool
+        if named is not None and named not in self.tool_names:
+            raise bad_request(
+                f"tool_choice names function {named!r}, which is not among the tools",
+                "tool_choice.function.name",
+            )
+
+    @property
+    def tool_mode(self) -> Literal["auto", "required", "function"] | None:
+        """None without tools or with tool_choice "none"; "function" for a named one."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if self.tool_choice is None:
+            return "auto"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice
+
+    @property
+    def named_tool(self) -> str | None:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
+
+    def tools_json(self) -> str:
+        """The tools for the chat template: only with tool_choice "auto"."""
+        if self.tool_mode != "auto":
+            return ""
+        assert self.tools is not None
+        return tools_json(self.tools)
+
+    def constraints(self) -> list[Constraint]:
+        out = super().constraints()
+        mode = self.tool_mode
+        if mode == "required":
+            assert self.tools is not None
+            tools = [(t.function.name, t.function.parameters_schema) for t in self.tools]
+            schema = required_schema(tools, self.parallel_tool_calls)
+            spec = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+            out.append(Constraint("tool_choice", "json_schema", spec))
+        elif mode == "function":
+            [fn] = [t.function for t in self.tools or [] if t.function.name == self.named_tool]
+            spec = json.dumps(fn.parameters_schema, ensure_ascii=False, separators=(",", ":"))
+            out.append(Constraint("tool_choice", "json_schema", spec))
+        return out
 
 
 class TokenizeRequest(_Body):
@@ -375,16 +678,21 @@ class TokenizeRequest(_Body):
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Tools | None = Field(
+        None, description='With messages: rendered by the chat template, as chat\'s "auto"'
+    )
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("send either prompt or messages", "prompt")
         if self.messages is None:
+            if self.tools:
+                raise bad_request("tools go with messages, not a prompt", "tools")
             return
-        for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "tools"):
+        for name in ("continue_final_message", "chat_template", "chat_template_kwargs"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported", name)
+        check_tools(self.tools or [])
         if self.add_special_tokens:
             raise bad_request(
                 "add_special_tokens with messages is not supported: the chat template writes "

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.choices import ChoiceEvent
+from gateway.tools import Parsed, ToolCallParser, merge_calls
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 
@@ -270,8 +272,27 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    """With `tool_parser` (a factory), each choice's text goes through its own parser: tool
+    calls come back as `tool_calls`, and a choice that made calls and ended by itself has
+    finish_reason "tool_calls"."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        logprobs: int | None,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
+        tool_parser: Callable[[], ToolCallParser] | None = None,
+        head_content: str | None = "",
+    ) -> None:
+        super().__init__(response_id, model, logprobs, n, prompt_logprobs)
+        self.tool_parser = tool_parser
+        self.head_content = head_content
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def head(self, indices: list[int]) -> list[dict[str, Any]]:
         """The role arrives first, once per choice, as OpenAI streams it."""
@@ -281,7 +302,7 @@ class ChatFormat(Format):
                 [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": self.head_content},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -290,35 +311,77 @@ class ChatFormat(Format):
             for i in indices
         ]
 
+    @staticmethod
+    def _finish_reason(finish_reason: str | None, parser: ToolCallParser | None) -> str | None:
+        if finish_reason == "stop" and parser is not None and parser.num_calls:
+            return "tool_calls"
+        return finish_reason
+
     def chunk(self, ev: ChoiceEvent) -> dict[str, Any] | None:
         m = ev.message
-        if not self.worth_sending(m):
-            return None
         lps = None
         if self.logprobs is not None:
             lps = chat_logprobs(list(m.logprobs), self.logprobs)
+        if self.tool_parser is None:
+            if not self.worth_sending(m):
+                return None
+            delta: dict[str, Any] = {"content": m.text} if m.text else {}
+            finish = m.finish_reason or None
+        else:
+            parser = self._parsers.get(ev.index)
+            if parser is None:
+                parser = self._parsers[ev.index] = self.tool_parser()
+            parsed = parser.feed(m.text)
+            if m.finish_reason:
+                rest = parser.finish()
+                parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
+            finish = self._finish_reason(m.finish_reason or None, parser)
+            delta = {}
+            if parsed.content:
+                delta["content"] = parsed.content
+            if parsed.calls:
+                delta["tool_calls"] = parsed.calls
+            if not (delta or finish or (lps is not None and m.logprobs)):
+                return None
         choice = {
             "index": ev.index,
-            "delta": {"content": m.text} if m.text else {},
+            "delta": delta,
             "logprobs": lps,
-            "finish_reason": m.finish_reason or None,
+            "finish_reason": finish,
             "stop_reason": stop_reason(m),
         }
         return self._envelope(self.chunk_object_name, [choice])
 
+    def _message(self, s: ChoiceState) -> tuple[dict[str, Any], str | None]:
+        text = "".join(s.text)
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": text}, s.finish_reason
+        parser = self.tool_parser()
+        parsed = parser.feed(text)
+        rest = parser.finish()
+        calls = merge_calls(parsed.calls + rest.calls)
+        content = parsed.content + rest.content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = calls
+        return message, self._finish_reason(s.finish_reason, parser)
+
     def body(self, states: dict[int, ChoiceState], u: dict[str, int]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(s.text)},
-                "logprobs": None
-                if self.logprobs is None
-                else chat_logprobs(s.logprobs, self.logprobs),
-                "finish_reason": s.finish_reason,
-                "stop_reason": s.stop_reason,
-            }
-            for i, s in sorted(states.items())
-        ]
+        choices = []
+        for i, s in sorted(states.items()):
+            message, finish = self._message(s)
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": None
+                    if self.logprobs is None
+                    else chat_logprobs(s.logprobs, self.logprobs),
+                    "finish_reason": finish,
+                    "stop_reason": s.stop_reason,
+                }
+            )
         out = {**self._envelope(self.object_name, choices), "usage": u}
         if self.prompt_logprobs is not None:
             self._body_prompt_lps(states)

@@ -95,16 +95,38 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments, as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str = Field(description="`call_` and 24 random hex digits")
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(
+        description="The text; with tool calls, the text around them, null when there is none"
+    )
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="With `tools`: the calls the model made; absent when it made none"
+    )
+
+
+FINISH_REASON = (
+    '"stop" (EOS or a stop condition), "length" (max_tokens or the context), or "tool_calls" '
+    "(the choice made tool calls and ended by itself)"
+)
 
 
 class ChatChoice(BaseModel):
     index: int = Field(description=CHOICE_INDEX)
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: str | None
+    finish_reason: str | None = Field(description=FINISH_REASON)
     stop_reason: StopReason
 
 
@@ -120,16 +142,29 @@ class ChatCompletionResponse(BaseModel):
     )
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, description="In the call's first delta")
+    arguments: str | None = Field(None, description="The next piece of the arguments' text")
+
+
+class ToolCallDelta(BaseModel):
+    index: int = Field(description="The call's place among the choice's calls")
+    id: str | None = Field(None, description="In the call's first delta")
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: str | None
+    finish_reason: str | None = Field(description=FINISH_REASON)
     stop_reason: StopReason = None
 
 

@@ -83,7 +83,7 @@ def gateway_log(gs: GatewayStack) -> list[dict[str, Any]]:
 
 
 def test_unknown_fields_are_ignored_with_one_warning(gs: GatewayStack, http: httpx.Client) -> None:
-    body = {"prompt": PROMPT, "max_tokens": 2, "frobnicate": 1, "guided_json": {}}
+    body = {"prompt": PROMPT, "max_tokens": 2, "frobnicate": 1, "guided_decoding_backend": "x"}
     r = http.post("/v1/completions", json=body, headers={"x-request-id": "unknown-1"})
     assert r.status_code == 200, r.text
     chat = {"messages": [{**USER[0], "mood": "calm"}], "max_tokens": 2, "tool_x": 1}
@@ -96,7 +96,7 @@ def test_unknown_fields_are_ignored_with_one_warning(gs: GatewayStack, http: htt
         if {"unknown-1", "unknown-2"} <= set(found) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert found["unknown-1"]["fields"] == ["frobnicate", "guided_json"]
+    assert found["unknown-1"]["fields"] == ["frobnicate", "guided_decoding_backend"]
     assert found["unknown-1"]["level"] == "warning"
     assert found["unknown-2"]["fields"] == ["tool_x", "messages.0.mood"]
     assert sum(1 for x in lines if x.get("request_id") == "unknown-1") == 1

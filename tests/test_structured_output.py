@@ -18,6 +18,16 @@ import pytest
 from pagedserve.model_source import smollm2_gguf
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
+from tests.json_schemas import (
+    CHOICES,
+    GRAMMARS,
+    REGEXES,
+    SCHEMAS,
+    check_choice,
+    check_grammar,
+    check_regex,
+    check_schema,
+)
 from tests.procs import ServerProcess
 from tests.stack import Stack, start_stack
 
@@ -44,7 +54,7 @@ def constrained(stack: Stack, prompt: str, constraint: common_pb2.StructuredOutp
     by_index: dict[int, str] = {}
     for c in chunks:
         by_index[c.index] = by_index.get(c.index, "") + c.text
-        assert c.finish_reason in ("", "stop"), c.finish_reason
+        assert c.finish_reason in ("", "stop"), (prompt, by_index[c.index])
     return [by_index[i] for i in sorted(by_index)]
 
 
@@ -71,6 +81,57 @@ def test_regex_and_choice(stack: Stack) -> None:
     c = common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=["yes", "no", "maybe"]))
     for text in constrained(stack, "Is the sky blue?", c, temperature=0.8, n=4):
         assert text in ("yes", "no", "maybe")
+
+
+SETTINGS = [(0.0, 1), (0.8, 4)]  # (temperature, n)
+
+
+def _check_all(stack: Stack, jobs: list[tuple[str, common_pb2.StructuredOutput, Any]]) -> None:
+    """Runs every (prompt, constraint, check) at each setting, all at once; every output must
+    pass its check."""
+    work = [(p, c, check, t, n) for p, c, check in jobs for t, n in SETTINGS]
+    with ThreadPoolExecutor(16) as pool:
+        futures = [
+            pool.submit(constrained, stack, p, c, temperature=t, n=n, max_tokens=512)
+            for p, c, _, t, n in work
+        ]
+        failures = []
+        for (p, c, check, t, n), f in zip(work, futures, strict=True):
+            outs = f.result()
+            assert len(outs) == n
+            failures += [(p, t, text) for text in outs if not check(text)]
+    assert not failures, failures[:5]
+
+
+def test_every_schema_holds(stack: Stack) -> None:
+    """37 schemas: nested objects, arrays with bounds, enums, ranges, patterns, formats,
+    optional fields, anyOf, $ref/$defs; at temperature 0 and 0.8, n = 1 and 4."""
+    assert len(SCHEMAS) >= 30
+    _check_all(
+        stack,
+        [
+            (
+                f"Give an example {name.replace('_', ' ')} as JSON.",
+                common_pb2.StructuredOutput(json_schema=json.dumps(schema)),
+                lambda text, schema=schema: check_schema(schema, text),
+            )
+            for name, schema in SCHEMAS
+        ],
+    )
+
+
+def test_every_regex_choice_and_grammar_holds(stack: Stack) -> None:
+    jobs: list[tuple[str, common_pb2.StructuredOutput, Any]] = []
+    for name, regex in REGEXES:
+        c = common_pb2.StructuredOutput(regex=regex)
+        jobs.append((f"Give an example {name}.", c, lambda t, r=regex: check_regex(r, t)))
+    for name, options in CHOICES:
+        c = common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=options))
+        jobs.append((f"Pick a {name}.", c, lambda t, o=options: check_choice(o, t)))
+    for name, grammar in GRAMMARS:
+        c = common_pb2.StructuredOutput(grammar=grammar)
+        jobs.append((f"Write an example {name}.", c, lambda t, g=name: check_grammar(g, t)))
+    _check_all(stack, jobs)
 
 
 def test_bad_constraints_are_refused(stack: Stack) -> None:

@@ -1,0 +1,495 @@
+"""Structured output and tool calling on the HTTP side: the client's JSON schemas checked
+before they reach the control plane, the schema that constrains `tool_choice: "required"`,
+and the parsers that turn a choice's text into OpenAI tool calls, chunk by chunk.
+
+The parsers serve both paths: a whole answer is its text fed at once, so a streamed choice's
+deltas add up to exactly what the non-streamed body holds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
+MAX_SCHEMA_DEPTH = 64
+# OpenAI's rule for function names.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+# Keywords whose value is a schema, a map of schemas, a list of schemas.
+_SCHEMA_VALUED = (
+    "additionalProperties",
+    "additionalItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_COUNTS = (
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "minProperties",
+    "maxProperties",
+    "minContains",
+    "maxContains",
+)
+_NUMBERS = ("minimum", "maximum")
+_STRINGS = ("pattern", "format", "$ref", "$id", "$schema", "$anchor", "title", "description")
+
+
+class SchemaError(ValueError):
+    """A client's JSON schema that is not one; `path` is where, in dotted form."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _pointer(root: Any, ref: str) -> bool:
+    """Whether a local reference (`#`, `#/a/b`) names something in root."""
+    node = root
+    for raw in ref[2:].split("/") if ref != "#" else []:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
+
+
+def check_schema(schema: Any, path: str) -> None:
+    """Raises SchemaError where `schema` breaks JSON Schema's rules for the keywords a grammar
+    is built from (types, properties, items, combinators, bounds, local `$ref`s). Unknown
+    keywords pass, as JSON Schema allows; what the control plane cannot compile it names."""
+    if not isinstance(schema, dict):
+        raise SchemaError(path, "a JSON schema must be a JSON object")
+    _check(schema, schema, path, 0)
+
+
+def _check(node: Any, root: dict[str, Any], path: str, depth: int) -> None:
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        raise SchemaError(path, "a schema must be an object or a boolean")
+    if depth > MAX_SCHEMA_DEPTH:
+        raise SchemaError(path, f"schemas nest at most {MAX_SCHEMA_DEPTH} levels deep")
+
+    def bad(key: str, message: str) -> SchemaError:
+        return SchemaError(f"{path}.{key}", message)
+
+    if "type" in node:
+        t = node["type"]
+        names = t if isinstance(t, list) else [t]
+        if not names or not all(isinstance(x, str) and x in JSON_TYPES for x in names):
+            raise bad("type", f"must be one of {sorted(JSON_TYPES)} or a list of them")
+        if len(set(names)) != len(names):
+            raise bad("type", "must not repeat a type")
+    for key in _SCHEMA_VALUED:
+        if key in node:
+            _check(node[key], root, f"{path}.{key}", depth + 1)
+    if "items" in node:
+        items = node["items"]
+        if isinstance(items, list):  # drafts 4 to 7: one schema per position
+            for i, sub in enumerate(items):
+                _check(sub, root, f"{path}.items.{i}", depth + 1)
+        else:
+            _check(items, root, f"{path}.items", depth + 1)
+    for key in _SCHEMA_MAPS:
+        if key in node:
+            value = node[key]
+            if not isinstance(value, dict):
+                raise bad(key, "must be an object of schemas")
+            for name, sub in value.items():
+                _check(sub, root, f"{path}.{key}.{name}", depth + 1)
+    for key in _SCHEMA_LISTS:
+        if key in node:
+            value = node[key]
+            if not isinstance(value, list) or not value:
+                raise bad(key, "must be a non-empty list of schemas")
+            for i, sub in enumerate(value):
+                _check(sub, root, f"{path}.{key}.{i}", depth + 1)
+    if "required" in node:
+        req = node["required"]
+        if not isinstance(req, list) or not all(isinstance(x, str) for x in req):
+            raise bad("required", "must be a list of property names")
+    if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
+        raise bad("enum", "must be a non-empty list")
+    for key in _COUNTS:
+        if key in node and not _is_count(node[key]):
+            raise bad(key, "must be a non-negative integer")
+    for key in _NUMBERS:
+        if key in node and not _is_number(node[key]):
+            raise bad(key, "must be a number")
+    for key in ("exclusiveMinimum", "exclusiveMaximum"):  # a boolean in draft 4
+        if key in node and not (_is_number(node[key]) or isinstance(node[key], bool)):
+            raise bad(key, "must be a number")
+    if "multipleOf" in node and not (_is_number(node["multipleOf"]) and node["multipleOf"] > 0):
+        raise bad("multipleOf", "must be a number above 0")
+    if "uniqueItems" in node and not isinstance(node["uniqueItems"], bool):
+        raise bad("uniqueItems", "must be a boolean")
+    for key in _STRINGS:
+        if key in node and not isinstance(node[key], str):
+            raise bad(key, "must be a string")
+    for low, high in (
+        ("minItems", "maxItems"),
+        ("minLength", "maxLength"),
+        ("minProperties", "maxProperties"),
+        ("minimum", "maximum"),
+    ):
+        if low in node and high in node and node[low] > node[high]:
+            raise bad(low, f"must not exceed {high}")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not _pointer(root, ref):
+        raise bad("$ref", f"{ref!r} names nothing in the schema")
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """A copy of `schema` whose local `$ref`s (`#...`) still name the same parts once it sits
+    at JSON pointer `base` ("#/items/...") inside another document."""
+    if isinstance(schema, list):
+        return [rebase_refs(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(
+            value, dict
+        ):  # property names, not keywords: a property called "$ref" stays as it is
+            out[key] = {k: rebase_refs(v, base) for k, v in value.items()}
+        elif key in ("enum", "const", "default", "examples"):
+            out[key] = value  # data, not schemas
+        else:
+            out[key] = rebase_refs(value, base)
+    return out
+
+
+def required_schema(
+    tools: list[tuple[str, dict[str, Any]]], parallel: bool = True
+) -> dict[str, Any]:
+    """`tool_choice: "required"`: a JSON array of one or more calls (one without
+    `parallel`), each `{"name": <a tool's name>, "parameters": <that tool's schema>}`."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [name]},
+                "parameters": rebase_refs(parameters, f"#/items/anyOf/{i}/properties/parameters"),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for i, (name, parameters) in enumerate(tools)
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+_DECODER = json.JSONDecoder()
+_SPACE = " \t\r\n"
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _SPACE:
+        pos += 1
+    return pos
+
+
+def member_text(text: str, start: int, key: str) -> str | None:
+    """The text of member `key`'s value in the JSON object at text[start] as written (so
+    arguments keep the model's spacing), or None if it has none or is not an object."""
+    if text[start : start + 1] != "{":
+        return None
+    pos = _skip_space(text, start + 1)
+    try:
+        while pos < len(text) and text[pos] != "}":
+            name, pos = _DECODER.raw_decode(text, pos)
+            pos = _skip_space(text, pos)
+            if text[pos : pos + 1] != ":":
+                return None
+            pos = _skip_space(text, pos + 1)
+            _, end = _DECODER.raw_decode(text, pos)
+            if name == key:
+                return text[pos:end]
+            pos = _skip_space(text, end)
+            if text[pos : pos + 1] == ",":
+                pos = _skip_space(text, pos + 1)
+    except json.JSONDecodeError:
+        return None
+    return None
+
+
+def _arguments(value: Any, written: str | None) -> str:
+    """A call's arguments as OpenAI sends them: JSON text, as the model wrote it when that is
+    at hand."""
+    if isinstance(value, str):
+        return value
+    if written is not None:
+        return written
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass
+class Parsed:
+    """What a piece of a choice's text became: content, and tool calls as OpenAI stream
+    deltas (`{index, id, type, function: {name, arguments}}`; later deltas of the same index
+    carry more `arguments`)."""
+
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.calls)
+
+
+class ToolCallParser:
+    """A choice's text in, content and tool-call deltas out. `feed` as text comes, `finish`
+    once at the end."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def _call(self, name: str, arguments: str) -> dict[str, Any]:
+        delta = {
+            "index": self.num_calls,
+            "id": call_id(),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        self.num_calls += 1
+        return delta
+
+    def feed(self, text: str) -> Parsed:
+        raise NotImplementedError
+
+    def finish(self) -> Parsed:
+        raise NotImplementedError
+
+
+class NamedCallParser(ToolCallParser):
+    """A named function: the whole text is its arguments, passed on as it comes."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def feed(self, text: str) -> Parsed:
+        if not text:
+            return Parsed()
+        if self.num_calls == 0:
+            return Parsed(calls=[self._call(self.name, text)])
+        return Parsed(calls=[{"index": 0, "function": {"arguments": text}}])
+
+    def finish(self) -> Parsed:
+        if self.num_calls == 0:
+            return Parsed(calls=[self._call(self.name, "")])
+        return Parsed()
+
+
+class CallListParser(ToolCallParser):
+    """`tool_choice: "required"`: a JSON array of `{"name", "parameters"}`, each call given
+    out once its object is complete. Text that never made a call (cut by max_tokens before the
+    first one closed) is given out as content at the end."""
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__()
+        self.names = names
+        self._text = ""
+        self._pos = 0
+        self._opened = False
+        self._done = False
+
+    def feed(self, text: str) -> Parsed:
+        self._text += text
+        out = Parsed()
+        if "}" not in text and not (not self._opened and "[" in text):
+            return out
+        while not self._done:
+            rest = self._text[self._pos :]
+            stripped = rest.lstrip(" \t\r\n,")
+            self._pos += len(rest) - len(stripped)
+            if not stripped:
+                break
+            if not self._opened:
+                if stripped[0] != "[":
+                    self._done = True
+                    break
+                self._opened = True
+                self._pos += 1
+                continue
+            if stripped[0] == "]":
+                self._done = True
+                break
+            start = self._pos
+            try:
+                item, end = _DECODER.raw_decode(self._text, start)
+            except json.JSONDecodeError:
+                break  # not complete yet
+            self._pos = end
+            if not (isinstance(item, dict) and item.get("name") in self.names):
+                self._done = True
+                break
+            written = member_text(self._text, start, "parameters")
+            args = _arguments(item.get("parameters", {}), written)
+            out.calls.append(self._call(item["name"], args))
+        return out
+
+    def finish(self) -> Parsed:
+        if self.num_calls == 0 and self._text:
+            return Parsed(content=self._text)
+        return Parsed()
+
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+
+
+def _tag_prefix_len(text: str) -> int:
+    """Length of the longest end of `text` that is the start of OPEN_TAG."""
+    for n in range(min(len(text), len(OPEN_TAG) - 1), 0, -1):
+        if OPEN_TAG.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesParser(ToolCallParser):
+    """`tool_choice: "auto"`: calls written as Hermes and Qwen models write them,
+    `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, anywhere in the text.
+    The text around them is content: the whitespace before a call is dropped, and the
+    whitespace after one is kept only between two pieces of text. A block that does not hold
+    a call of one of the tools (bad JSON, an unknown name) stays content as written. Streamed
+    content holds back what may start a block (trailing whitespace, part of the tag) until
+    the next text says."""
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__()
+        self.names = names
+        self._outside = ""  # text after the last block, not given out yet
+        self._block: str | None = None  # inside a block: its text so far
+        self._space_before = ""  # the whitespace held before the open block
+        self._after_call = False  # only whitespace since the last call
+        self._emitted = False  # some content has been given out
+
+    def _emit(self, out: Parsed, text: str) -> None:
+        if text:
+            out.content += text
+            self._emitted = True
+
+    def _parse_call(self, body: str) -> dict[str, Any] | None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or data.get("name") not in self.names:
+            return None
+        key = "arguments" if "arguments" in data else "parameters"
+        args = data.get(key, {})
+        if not isinstance(args, dict | str):
+            return None
+        return self._call(data["name"], _arguments(args, member_text(body, 0, key)))
+
+    def _close(self, body: str, closed: bool, out: Parsed) -> None:
+        call = self._parse_call(body.strip())
+        if call is not None:
+            out.calls.append(call)
+            self._after_call = True
+        else:
+            end = CLOSE_TAG if closed else ""
+            self._emit(out, self._space_before + OPEN_TAG + body + end)
+        self._space_before = ""
+        self._block = None
+
+    def feed(self, text: str) -> Parsed:
+        out = Parsed()
+        if self._block is None:
+            self._outside += text
+        else:
+            self._block += text
+        while True:
+            if self._block is not None:
+                end = self._block.find(CLOSE_TAG)
+                if end < 0:
+                    break
+                rest = self._block[end + len(CLOSE_TAG) :]
+                self._close(self._block[:end], True, out)
+                self._outside = rest
+                continue
+            if self._after_call:
+                text_after = self._outside.lstrip()
+                if not text_after:
+                    break
+                space = self._outside[: len(self._outside) - len(text_after)]
+                self._outside = (space if self._emitted else "") + text_after
+                self._after_call = False
+            start = self._outside.find(OPEN_TAG)
+            if start < 0:
+                break
+            before = self._outside[:start]
+            kept = before.rstrip()
+            self._emit(out, kept)
+            self._space_before = before[len(kept) :]
+            self._block = self._outside[start + len(OPEN_TAG) :]
+            self._outside = ""
+        if self._block is None and not self._after_call:
+            held = _tag_prefix_len(self._outside)
+            kept = self._outside[: len(self._outside) - held].rstrip()
+            self._emit(out, kept)
+            self._outside = self._outside[len(kept) :]
+        return out
+
+    def finish(self) -> Parsed:
+        out = Parsed()
+        if self._block is not None:
+            self._close(self._block, False, out)
+        elif not self._after_call:
+            self._emit(out, self._outside)
+        self._outside = ""
+        return out
+
+
+def merge_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Whole tool calls from their stream deltas, in index order."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        call = calls.get(d["index"])
+        if call is None:
+            calls[d["index"]] = {
+                "id": d["id"],
+                "type": d["type"],
+                "function": {"name": d["function"]["name"], "arguments": ""},
+            }
+            call = calls[d["index"]]
+        call["function"]["arguments"] += d["function"].get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
