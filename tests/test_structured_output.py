@@ -43,7 +43,9 @@ SCHEMA = {
 }
 
 
-def constrained(stack: Stack, prompt: str, constraint: common_pb2.StructuredOutput, **kw: Any) -> list[str]:
+def constrained(
+    stack: Stack, prompt: str, constraint: common_pb2.StructuredOutput, **kw: Any
+) -> list[str]:
     req = pb.GenerateRequest(output_kind=pb.OUTPUT_KIND_FINAL_ONLY)
     req.chat.messages.add(role="user", content=prompt)
     req.sampling.max_tokens = kw.pop("max_tokens", 200)
@@ -96,7 +98,7 @@ def _check_all(stack: Stack, jobs: list[tuple[str, common_pb2.StructuredOutput, 
             for p, c, _, t, n in work
         ]
         failures = []
-        for (p, c, check, t, n), f in zip(work, futures, strict=True):
+        for (p, _, check, t, n), f in zip(work, futures, strict=True):
             outs = f.result()
             assert len(outs) == n
             failures += [(p, t, text) for text in outs if not check(text)]
