@@ -22,7 +22,7 @@ from control_plane.router import Router
 from control_plane.scheduler import SchedulerConfig
 from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
 from control_plane.worker_client import WorkerClient
-from pagedserve.grammar import GrammarCompiler
+from pagedserve import grammar
 from pagedserve.log import get_logger
 from pagedserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from protos.v1 import worker_pb2
@@ -80,10 +80,9 @@ class ControlPlane:
         self._register_lock = asyncio.Lock()
         self._startup_error: BaseException | None = None
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
-        # Structured output: the compiler is built (~1 s for a 50k vocabulary) when the first
-        # worker registers, off the event loop; constraints compile on these threads.
-        self._grammar: asyncio.Future[GrammarCompiler] | None = None
+        # Structured output: constraints are parsed (checked) on these threads.
         self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
+        self._checked: dict[StructuredOutput, InvalidRequestError | None] = {}
 
     async def connect(self) -> None:
         """Registers the listed workers as they answer, each retried with a back-off of at
@@ -145,11 +144,6 @@ class ControlPlane:
             self.model_name = self.config.served_model_name or info.model
             self.tokenizer = await asyncio.to_thread(
                 load_tokenizer, self.config.tokenizer or info.model_path
-            )
-            tokenizer = self.tokenizer.tokenizer
-            self._grammar = asyncio.get_running_loop().run_in_executor(
-                self._grammar_pool,
-                lambda: GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids),
             )
         elif (info.architecture, info.vocab_size) != (first.architecture, first.vocab_size):
             raise RuntimeError(
@@ -256,6 +250,8 @@ class ControlPlane:
             raise AdmissionError(grpc.StatusCode.UNAVAILABLE, "no worker is answering")
         assert self.router is not None
         loop = await self.router.place(prompt_ids, cache_salt)
+        if sampling.structured is not None:
+            await self.prepare_constraint(loop, sampling.structured)
         # Checked after the last await, so nothing can slip in between check and add.
         if any(req_id in lp.streams for lp in self.loops):
             raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id} is running")
@@ -305,22 +301,47 @@ class ControlPlane:
         return max(1, most)
 
     async def check_constraint(self, constraint: StructuredOutput) -> None:
-        """Compiles a structured-output constraint (cached): InvalidRequestError if it does
-        not compile, or not within the time-out (the thread finishes it in the background,
-        and its result is cached for the next request)."""
-        assert self._grammar is not None
-        compiler = await self._grammar
+        """Parses a structured-output constraint (cached, refusals too): InvalidRequestError
+        naming the field and the reason for one that cannot compile, before any worker sees
+        it."""
+        if constraint not in self._checked:
+            work = asyncio.get_running_loop().run_in_executor(
+                self._grammar_pool, grammar.check, constraint
+            )
+            try:
+                await asyncio.wait_for(work, self.config.grammar_compile_timeout_s)
+                self._checked[constraint] = None
+            except InvalidRequestError as exc:
+                self._checked[constraint] = exc
+            except TimeoutError:
+                self._checked[constraint] = self._too_slow(constraint)
+            while len(self._checked) > grammar.CACHE_SIZE:
+                del self._checked[next(iter(self._checked))]
+        if (refusal := self._checked.get(constraint)) is not None:
+            raise refusal
+
+    async def prepare_constraint(self, loop: EngineLoop, constraint: StructuredOutput) -> None:
+        """Has the request's worker compile its constraint off its model thread (cached there),
+        so that scheduling it never waits for a compilation; one slower than
+        --grammar-compile-timeout is refused. A worker that cannot be asked (it is failing)
+        compiles when the request first runs."""
         timeout = self.config.grammar_compile_timeout_s
-        work = asyncio.get_running_loop().run_in_executor(
-            self._grammar_pool, compiler.compile, constraint
-        )
         try:
-            await asyncio.wait_for(asyncio.shield(work), timeout)
-        except TimeoutError:
-            raise InvalidRequestError(
-                f"{constraint.kind} did not compile within {timeout:g} s "
-                "(--grammar-compile-timeout)"
-            ) from None
+            await loop.client.prepare_grammar(constraint, timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequestError(
+                    exc.details() or "the constraint does not compile"
+                ) from None
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                refusal = self._checked[constraint] = self._too_slow(constraint)
+                raise refusal from None
+
+    def _too_slow(self, constraint: StructuredOutput) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"{constraint.kind} did not compile within {self.config.grammar_compile_timeout_s:g} s "
+            "(--grammar-compile-timeout)"
+        )
 
     def waiting_limit(self, request_tokens: int) -> int:
         """How many requests may wait. `--max-waiting N` fixes it; by default it is as many as

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve import wire
 from pagedserve.grpc_security import INSECURE, GrpcSecurity, aio_channel
 from pagedserve.plan import StepPlan, StepResult
+from pagedserve.sampling_params import StructuredOutput
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -78,6 +79,13 @@ class WorkerClient:
         return await self.stub.Describe(
             worker_pb2.DescribeRequest(), timeout=timeout, wait_for_ready=True
         )
+
+    async def prepare_grammar(self, constraint: StructuredOutput, timeout: float) -> None:
+        """Has the worker compile a constraint before a request carrying it is scheduled.
+        Raises grpc.aio.AioRpcError (INVALID_ARGUMENT: it does not compile; DEADLINE_EXCEEDED:
+        not within `timeout`)."""
+        request = worker_pb2.PrepareGrammarRequest(constraint=wire.structured_to_proto(constraint))
+        await self.stub.PrepareGrammar(request, timeout=timeout)
 
     async def send(self, plan: StepPlan) -> None:
         """Writes a plan to the Execute stream; its result is read with receive()."""

@@ -294,9 +294,7 @@ class ModelRunner:
                 logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
         rows = [i for i, st in enumerate(states) if st.matcher is not None]
         if rows:
-            sub = logits[rows]
-            mask_logits(sub, [states[i].matcher for i in rows])  # type: ignore[misc]
-            logits[rows] = sub
+            mask_logits(logits, rows, [states[i].matcher for i in rows])  # type: ignore[misc]
 
     def _suppress_early_stops(self, logits: torch.Tensor, states: list[RequestState]) -> None:
         """Below min_tokens, EOS and stop token ids cannot be sampled."""

@@ -283,6 +283,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.WorkerInfo:
         return self.worker.info
 
+    def PrepareGrammar(
+        self, request: worker_pb2.PrepareGrammarRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.PrepareGrammarResponse:
+        """Compiles on this gRPC thread, so that the model thread finds it cached."""
+        try:
+            constraint = wire.structured_from_proto(request.constraint)
+            start = time.perf_counter()
+            self.worker.runner.grammar().compile(constraint)
+        except (InvalidRequestError, PlanError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return worker_pb2.PrepareGrammarResponse(compile_s=time.perf_counter() - start)
+
     def Execute(
         self, request_iterator: Iterator[worker_pb2.StepPlan], context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.StepResult]:

@@ -15,6 +15,7 @@ with EOS there (or at max_tokens).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from pagedserve.sampling_params import InvalidRequestError, StructuredOutput
 
 # Compiled grammars (and refusals) kept per process.
 CACHE_SIZE = 512
+# Threads a compilation, and a step's mask filling, may use.
+GRAMMAR_THREADS = 2
 _FIELD = {
     "json_schema": "json_schema",
     "json_object": "json_object",
@@ -54,6 +57,37 @@ def _choice_grammar(options: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
 
 
+def check(constraint: StructuredOutput) -> None:
+    """Parses a constraint into a grammar, without the vocabulary (about a millisecond): a
+    schema, regex or grammar that cannot compile fails here. InvalidRequestError naming the
+    field and the reason."""
+    import xgrammar as xgr
+
+    try:
+        if constraint.kind == "json_schema":
+            xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False, strict_mode=True)
+        elif constraint.kind == "regex":
+            xgr.Grammar.from_regex(constraint.spec)
+        elif constraint.kind == "choice":
+            xgr.Grammar.from_ebnf(_choice_grammar(constraint.choice_list))
+        elif constraint.kind == "grammar":
+            xgr.Grammar.from_ebnf(constraint.spec)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise _refusal(constraint, exc) from None
+
+
+def _refusal(constraint: StructuredOutput, exc: Exception) -> InvalidRequestError:
+    # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:line: ".
+    text = re.sub(
+        r"^\[[0-9:]+\] \S+:[0-9]+: ",
+        "",
+        str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+    )
+    return InvalidRequestError(
+        f"{_FIELD[constraint.kind]} does not compile: {text or type(exc).__name__}"
+    )
+
+
 class GrammarCompiler:
     """Compiles constraints for one vocabulary; thread-safe; caches by constraint (a refusal
     too, so a bad constraint sent again costs nothing)."""
@@ -68,7 +102,9 @@ class GrammarCompiler:
             hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
         self._xgr = xgr
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(
+            self.info, max_threads=GRAMMAR_THREADS, cache_enabled=False
+        )
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -82,8 +118,7 @@ class GrammarCompiler:
             try:
                 hit = self._compile(constraint)
             except (RuntimeError, ValueError, TypeError) as exc:
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
-                hit = InvalidRequestError(f"{_FIELD[constraint.kind]} does not compile: {reason}")
+                hit = _refusal(constraint, exc)
             with self._lock:
                 self._cache[constraint] = hit
                 while len(self._cache) > CACHE_SIZE:
@@ -127,20 +162,30 @@ class Matcher:
         self._m.fill_next_token_bitmask(bitmask, row)
 
 
-def mask_logits(logits: torch.Tensor, matchers: Sequence[Matcher]) -> None:
-    """Sets to -inf, in place, each row's logits of tokens its matcher does not allow next
-    (rows of terminated matchers are left alone)."""
+_batch: Any = None
+
+
+def mask_logits(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[Matcher]) -> None:
+    """Sets to -inf, in place, the logits of row rows[i] that matchers[i] does not allow next
+    (rows of terminated matchers are left alone). The masks are filled on xgrammar's threads
+    and applied by its CPU kernel (float32 logits), or by torch."""
+    global _batch
     import xgrammar as xgr
 
-    rows, vocab = logits.shape
-    bitmask = xgr.allocate_token_bitmask(rows, vocab)
-    live = [i for i, m in enumerate(matchers) if not m.terminated]
-    for i in live:
-        matchers[i].fill(bitmask, i)
+    live = [(r, m) for r, m in zip(rows, matchers, strict=True) if not m.terminated]
     if not live:
         return
+    if _batch is None:
+        _batch = xgr.BatchGrammarMatcher(max_threads=GRAMMAR_THREADS)
+    num_rows, vocab = logits.shape
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
+    indices = [r for r, _ in live]
+    _batch.batch_fill_next_token_bitmask([m._m for _, m in live], bitmask, indices=indices)
+    if logits.dtype == torch.float32 and logits.device.type == "cpu":
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
+        return
     bits = torch.arange(32, dtype=torch.int32)
-    allowed = (bitmask[live].unsqueeze(-1) >> bits) & 1  # [L, words, 32], bit i = token 32w+i
-    allowed = allowed.reshape(len(live), -1)[:, :vocab].bool()
-    sub = logits[live]
-    logits[live] = sub.masked_fill(~allowed, float("-inf"))
+    index = torch.tensor(indices, dtype=torch.long)
+    allowed = (bitmask[index].unsqueeze(-1) >> bits) & 1  # [L, words, 32]: token 32w + i
+    allowed = allowed.reshape(len(indices), -1)[:, :vocab].bool().to(logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -25,33 +25,37 @@ _sym_db = _symbol_database.Default()
 from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/v1/worker.proto\x12\rpagedserve.v1\x1a\x16protos/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xf8\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x07 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x0e \x01(\x04\x12\x16\n\x0ekv_cache_dtype\x18\x0f \x01(\t\x12\x14\n\x0c\x63pu_bf16_isa\x18\x10 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x11 \x01(\r\"%\n\tBlockMove\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xb1\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\"`\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12(\n\x06\x63opied\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\"@\n\x08\x42\x65\x61mFork\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nsrc_req_id\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\r\"\x89\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.CachedRequest\x12\x19\n\x11scheduled_req_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12*\n\x08swap_out\x18\x07 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12)\n\x07swap_in\x18\x08 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12-\n\x0b\x63opy_blocks\x18\t \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12+\n\nbeam_forks\x18\n \x03(\x0b\x32\x17.pagedserve.v1.BeamFork\"r\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x33\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.pagedserve.v1.TokenLogprobsH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"_\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"\xaf\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x07sampled\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.SampledToken\x12\x14\n\x0cmodel_time_s\x18\x03 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x04 \x01(\x01\x12\x36\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs2\x92\x01\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x19.pagedserve.v1.WorkerInfo\x12\x41\n\x07\x45xecute\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/v1/worker.proto\x12\rpagedserve.v1\x1a\x16protos/v1/common.proto\"L\n\x15PrepareGrammarRequest\x12\x33\n\nconstraint\x18\x01 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\"+\n\x16PrepareGrammarResponse\x12\x11\n\tcompile_s\x18\x01 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xf8\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x07 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x0e \x01(\x04\x12\x16\n\x0ekv_cache_dtype\x18\x0f \x01(\t\x12\x14\n\x0c\x63pu_bf16_isa\x18\x10 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x11 \x01(\r\"%\n\tBlockMove\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xb1\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\"`\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12(\n\x06\x63opied\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\"@\n\x08\x42\x65\x61mFork\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nsrc_req_id\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\r\"\x89\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.CachedRequest\x12\x19\n\x11scheduled_req_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12*\n\x08swap_out\x18\x07 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12)\n\x07swap_in\x18\x08 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12-\n\x0b\x63opy_blocks\x18\t \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12+\n\nbeam_forks\x18\n \x03(\x0b\x32\x17.pagedserve.v1.BeamFork\"r\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x33\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.pagedserve.v1.TokenLogprobsH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"_\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"\xaf\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x07sampled\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.SampledToken\x12\x14\n\x0cmodel_time_s\x18\x03 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x04 \x01(\x01\x12\x36\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs2\xf1\x01\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x19.pagedserve.v1.WorkerInfo\x12\x41\n\x07\x45xecute\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x12]\n\x0ePrepareGrammar\x12$.pagedserve.v1.PrepareGrammarRequest\x1a%.pagedserve.v1.PrepareGrammarResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DESCRIBEREQUEST']._serialized_start=65
-  _globals['_DESCRIBEREQUEST']._serialized_end=82
-  _globals['_WORKERINFO']._serialized_start=85
-  _globals['_WORKERINFO']._serialized_end=461
-  _globals['_BLOCKMOVE']._serialized_start=463
-  _globals['_BLOCKMOVE']._serialized_end=500
-  _globals['_NEWREQUEST']._serialized_start=503
-  _globals['_NEWREQUEST']._serialized_end=680
-  _globals['_CACHEDREQUEST']._serialized_start=682
-  _globals['_CACHEDREQUEST']._serialized_end=778
-  _globals['_BEAMFORK']._serialized_start=780
-  _globals['_BEAMFORK']._serialized_end=844
-  _globals['_STEPPLAN']._serialized_start=847
-  _globals['_STEPPLAN']._serialized_end=1240
-  _globals['_SAMPLEDTOKEN']._serialized_start=1242
-  _globals['_SAMPLEDTOKEN']._serialized_end=1356
-  _globals['_PROMPTLOGPROBS']._serialized_start=1358
-  _globals['_PROMPTLOGPROBS']._serialized_end=1453
-  _globals['_STEPRESULT']._serialized_start=1456
-  _globals['_STEPRESULT']._serialized_end=1631
-  _globals['_WORKER']._serialized_start=1634
-  _globals['_WORKER']._serialized_end=1780
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=65
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=141
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=143
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=186
+  _globals['_DESCRIBEREQUEST']._serialized_start=188
+  _globals['_DESCRIBEREQUEST']._serialized_end=205
+  _globals['_WORKERINFO']._serialized_start=208
+  _globals['_WORKERINFO']._serialized_end=584
+  _globals['_BLOCKMOVE']._serialized_start=586
+  _globals['_BLOCKMOVE']._serialized_end=623
+  _globals['_NEWREQUEST']._serialized_start=626
+  _globals['_NEWREQUEST']._serialized_end=803
+  _globals['_CACHEDREQUEST']._serialized_start=805
+  _globals['_CACHEDREQUEST']._serialized_end=901
+  _globals['_BEAMFORK']._serialized_start=903
+  _globals['_BEAMFORK']._serialized_end=967
+  _globals['_STEPPLAN']._serialized_start=970
+  _globals['_STEPPLAN']._serialized_end=1363
+  _globals['_SAMPLEDTOKEN']._serialized_start=1365
+  _globals['_SAMPLEDTOKEN']._serialized_end=1479
+  _globals['_PROMPTLOGPROBS']._serialized_start=1481
+  _globals['_PROMPTLOGPROBS']._serialized_end=1576
+  _globals['_STEPRESULT']._serialized_start=1579
+  _globals['_STEPRESULT']._serialized_end=1754
+  _globals['_WORKER']._serialized_start=1757
+  _globals['_WORKER']._serialized_end=1998
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareGrammarRequest(_message.Message):
+    __slots__ = ("constraint",)
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    constraint: _common_pb2.StructuredOutput
+    def __init__(self, constraint: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class PrepareGrammarResponse(_message.Message):
+    __slots__ = ("compile_s",)
+    COMPILE_S_FIELD_NUMBER: _ClassVar[int]
+    compile_s: float
+    def __init__(self, compile_s: _Optional[float] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

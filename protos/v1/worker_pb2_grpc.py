@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=protos_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/pagedserve.v1.Worker/PrepareGrammar',
+                request_serializer=protos_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -64,6 +69,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Compiles a structured-output constraint into the worker's cache, off its model thread,
+        before a request carrying it is scheduled. INVALID_ARGUMENT: it does not compile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=protos_dot_v1_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=protos_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.PrepareGrammarRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +150,33 @@ class Worker:
             '/pagedserve.v1.Worker/Execute',
             protos_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
             protos_dot_v1_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Worker/PrepareGrammar',
+            protos_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,
