@@ -304,15 +304,18 @@ class BlockManager:
     def num_blocks_to_reserve(self, ranges: list[tuple[str, int, int]]) -> int:
         """Free blocks that `reserve_slots` would take for each (req_id, num_computed_tokens,
         num_tokens_total) in turn: copies of shared blocks (the last holder writing in place)
-        and appended blocks."""
+        and appended blocks; for swapped requests, once swapped in."""
         bs = self.block_size
-        refcounts: dict[int, int] = {}
+        refcounts: dict[tuple[bool, int], int] = {}
         total = 0
         for req_id, start, end in ranges:
-            table = self._gpu_tables.get(req_id, [])
+            # A swapped request's table counts as it will be on the GPU (sharing kept).
+            in_cpu = req_id in self._cpu_tables
+            table = (self._cpu_tables if in_cpu else self._gpu_tables).get(req_id, [])
+            pool = self.cpu if in_cpu else self.gpu
             for i in range(start // bs, min(self.num_blocks_for(end), len(table))):
-                b = table[i]
-                rc = refcounts.get(b, self.gpu.refcounts[b])
+                b = (in_cpu, table[i])
+                rc = refcounts.get(b, pool.refcounts[table[i]])
                 if rc > 1:
                     total += 1
                     refcounts[b] = rc - 1

@@ -313,8 +313,8 @@ class ControlPlane:
                 self._checked[constraint] = None
             except InvalidRequestError as exc:
                 self._checked[constraint] = exc
-            except TimeoutError:
-                self._checked[constraint] = self._too_slow(constraint)
+            except TimeoutError:  # not kept: a loaded moment is no verdict on the constraint
+                raise self._too_slow(constraint) from None
             while len(self._checked) > grammar.CACHE_SIZE:
                 del self._checked[next(iter(self._checked))]
         if (refusal := self._checked.get(constraint)) is not None:
@@ -334,8 +334,12 @@ class ControlPlane:
                     exc.details() or "the constraint does not compile"
                 ) from None
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                refusal = self._checked[constraint] = self._too_slow(constraint)
-                raise refusal from None
+                raise self._too_slow(constraint) from None
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise AdmissionError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "the worker is busy compiling other constraints; retry shortly",
+                ) from None
 
     def _too_slow(self, constraint: StructuredOutput) -> InvalidRequestError:
         return InvalidRequestError(

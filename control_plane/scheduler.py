@@ -221,6 +221,12 @@ class Scheduler:
         if req.is_fork_parent and req.output_token_ids:
             raise ValueError(f"request {req.req_id}: n > 1 with output tokens; add the children")
         seats = req.sampling.beam_width or req.sampling.n
+        if req.sampling.beam_width > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"request {req.req_id}: beam_width = {req.sampling.beam_width} exceeds "
+                f"max_num_batched_tokens {self.config.max_num_batched_tokens}: a beam search "
+                "computes one token per beam in each step"
+            )
         if seats > self.config.max_num_seqs:
             what = "beam_width" if req.sampling.beam_width else "n"
             raise InvalidRequestError(
@@ -485,9 +491,13 @@ class Scheduler:
         if nums is None:
             return False
         ids = group.ids
-        end = max(b.num_computed_tokens + n for b, n in zip(group.beams, nums, strict=True))
-        # Each beam may copy one shared block before writing into it.
-        if not bm.can_swap_in(ids, end, extra_blocks=len(ids)):
+        ranges = [
+            (b.req_id, b.num_computed_tokens, b.num_computed_tokens + n)
+            for b, n in zip(group.beams, nums, strict=True)
+            if n
+        ]
+        # Sharing survives the swap, so the copies and new blocks are counted on the CPU side.
+        if not bm.can_swap_in(ids, extra_blocks=bm.num_blocks_to_reserve(ranges)):
             return False
         moves = bm.swap_in(ids)
         assert moves is not None

@@ -185,8 +185,11 @@ class ModelRunner:
             return None
         matcher = self.grammar().matcher(new.sampling.structured)
         for t in new.output_token_ids:
-            if not matcher.accept(t):
-                raise PlanError(f"request {new.req_id!r}: its output left its grammar at {t}")
+            if matcher.terminated:
+                break
+            if not matcher.accept(t):  # the output cannot be continued within the grammar
+                log.error("output_outside_grammar", request_id=new.req_id, token=t)
+                break
         return matcher
 
     def _fork_beams(self, plan: StepPlan) -> None:
@@ -291,7 +294,9 @@ class ModelRunner:
         for i, st in enumerate(states):
             if st.sampling.logit_bias:
                 ids, bias = zip(*st.sampling.logit_bias, strict=True)
-                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+                index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+                values = torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+                logits[i].index_add_(0, index, values)
         rows = [i for i, st in enumerate(states) if st.matcher is not None]
         if rows:
             mask_logits(logits, rows, [states[i].matcher for i in rows])  # type: ignore[misc]

@@ -150,7 +150,9 @@ class TPGroup:
 
     @classmethod
     def join(cls, shard: Shard, port: int, device: str = "cpu") -> TPGroup:
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        # On CUDA the activations go over NCCL; the few host tensors (token ids, the pool
+        # size) over gloo.
+        backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",

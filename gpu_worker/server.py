@@ -6,6 +6,7 @@ The servicer is thin: protobuf -> plan (pagedserve.wire) -> ModelRunner -> proto
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -100,6 +101,10 @@ class ModelThread:
                     break
                 if future.set_running_or_notify_cancel():
                     future.set_exception(WorkerStopping("the worker is stopping"))
+
+
+# Structured-output compilations running at once on the worker's gRPC threads (of 8).
+PREPARE_SLOTS = 4
 
 
 class WorkerStopping(RuntimeError):
@@ -277,6 +282,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker = worker
         self.model = model
         self._stream_lock = threading.Lock()
+        self._prepare_slots = threading.BoundedSemaphore(PREPARE_SLOTS)
 
     def Describe(
         self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext
@@ -286,13 +292,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def PrepareGrammar(
         self, request: worker_pb2.PrepareGrammarRequest, context: grpc.ServicerContext
     ) -> worker_pb2.PrepareGrammarResponse:
-        """Compiles on this gRPC thread, so that the model thread finds it cached."""
+        """Compiles on this gRPC thread, so that the model thread finds it cached; at most
+        PREPARE_SLOTS at once, so that compilations never hold every gRPC thread (health
+        checks need one): beyond, RESOURCE_EXHAUSTED (the client retries)."""
+        if not self._prepare_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the worker is busy compiling")
         try:
             constraint = wire.structured_from_proto(request.constraint)
             start = time.perf_counter()
             self.worker.runner.grammar().compile(constraint)
         except (InvalidRequestError, PlanError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self._prepare_slots.release()
         return worker_pb2.PrepareGrammarResponse(compile_s=time.perf_counter() - start)
 
     def Execute(
@@ -352,9 +364,16 @@ def _step(worker: Worker, msg: worker_pb2.StepPlan) -> worker_pb2.StepResult:
     fails its step with INVALID_ARGUMENT, which ends the stream. Under tensor parallelism the
     plan's bytes go to the other ranks first."""
     plan = wire.plan_from_proto(msg)
-    if worker.followers is not None:
-        worker.followers.send_plan(msg.SerializeToString())
-    return wire.result_to_proto(worker.runner.execute(plan))
+    if worker.followers is None:
+        return wire.result_to_proto(worker.runner.execute(plan))
+    worker.followers.send_plan(msg.SerializeToString())
+    try:
+        return wire.result_to_proto(worker.runner.execute(plan))
+    except BaseException as exc:
+        # The other ranks are in this plan's collectives: the group cannot get back in step,
+        # so it ends, and the control plane moves its requests as for any lost worker.
+        log.error("tensor_parallel_step_failed", step_id=msg.step_id, error=repr(exc))
+        os._exit(1)
 
 
 def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:

@@ -19,6 +19,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -106,23 +107,42 @@ class GrammarCompiler:
             self.info, max_threads=GRAMMAR_THREADS, cache_enabled=False
         )
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._compiling: dict[StructuredOutput, Future[Any]] = {}
         self._lock = threading.Lock()
 
     def compile(self, constraint: StructuredOutput) -> Any:
-        """The compiled grammar; InvalidRequestError naming the field and the reason."""
+        """The compiled grammar; InvalidRequestError naming the field and the reason. A
+        constraint being compiled by another thread is waited for, not compiled twice."""
+        pending: Future[Any] = Future()
+        mine = False
         with self._lock:
             hit = self._cache.get(constraint)
             if hit is not None:
                 self._cache.move_to_end(constraint)
+            elif constraint in self._compiling:
+                pending = self._compiling[constraint]
+            else:
+                self._compiling[constraint] = pending
+                mine = True
         if hit is None:
-            try:
-                hit = self._compile(constraint)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                hit = _refusal(constraint, exc)
-            with self._lock:
-                self._cache[constraint] = hit
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+            if not mine:
+                hit = pending.result()
+            else:
+                try:
+                    hit = self._compile(constraint)
+                except (RuntimeError, ValueError, TypeError) as exc:
+                    hit = _refusal(constraint, exc)
+                except BaseException as exc:
+                    with self._lock:
+                        del self._compiling[constraint]
+                    pending.set_exception(exc)
+                    raise
+                with self._lock:
+                    self._cache[constraint] = hit
+                    while len(self._cache) > CACHE_SIZE:
+                        self._cache.popitem(last=False)
+                    del self._compiling[constraint]
+                pending.set_result(hit)
         if isinstance(hit, InvalidRequestError):
             raise hit
         return hit

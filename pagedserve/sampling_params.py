@@ -142,6 +142,15 @@ class SamplingParams:
             raise bad(
                 f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
             )
+        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+            raise bad("logit_bias names a token id twice")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            # The constraint ends the output where it is complete (EOS is then the only token
+            # it allows): nothing may follow, and it may be shorter than min_tokens.
+            raise bad(
+                "structured output ends where the constraint is complete: it takes no "
+                + ("ignore_eos" if self.ignore_eos else "min_tokens")
+            )
         for token_id, bias in self.logit_bias:
             if token_id < 0:
                 raise bad(f"logit_bias: token id {token_id} is negative")

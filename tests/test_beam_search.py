@@ -325,6 +325,28 @@ def test_beam_search_admission() -> None:
         SamplingParams(beam_width=2, temperature=0.7)
     with pytest.raises(InvalidRequestError, match="at most beam_width"):
         SamplingParams(beam_width=2, n=3)
+    narrow = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=4, max_model_len=256), BlockManager(20, 0, 16)
+    )
+    with pytest.raises(InvalidRequestError, match="exceeds max_num_batched_tokens 4"):
+        narrow.add_request(Request("f", [5] * 10, SamplingParams(max_tokens=4, beam_width=6)))
+
+
+def test_a_swapped_group_counts_exactly_what_it_needs_to_come_back() -> None:
+    """Two beams sharing a partly filled block: swapped in, one copies it and the other writes
+    in place, so one block beyond the group's own is needed, not one per beam."""
+    bm = BlockManager(5, 8, 4)
+    bm.allocate_slots("g#b0", 6)  # 2 blocks, the second partly filled
+    bm.fork("g#b0", "g#b1")
+    assert bm.swap_out(["g#b0", "g#b1"]) is not None
+    ranges = [("g#b0", 6, 7), ("g#b1", 6, 7)]
+    assert bm.num_blocks_to_reserve(ranges) == 1
+    assert bm.can_swap_in(["g#b0", "g#b1"], extra_blocks=1)
+    bm.gpu.allocate(2)  # 3 free: 2 swapped blocks + 1 copy still fit
+    assert bm.can_swap_in(["g#b0", "g#b1"], extra_blocks=bm.num_blocks_to_reserve(ranges))
+    assert bm.swap_in(["g#b0", "g#b1"]) is not None
+    assert all(bm.reserve_slots(b, 6, 7) is not None for b in ("g#b0", "g#b1"))
+    assert bm.num_free_gpu_blocks == 0
 
 
 def test_a_lost_worker_moves_its_beam_groups(

@@ -136,6 +136,20 @@ def test_every_regex_choice_and_grammar_holds(stack: Stack) -> None:
     _check_all(stack, jobs)
 
 
+def test_sampling_params_refuse_what_a_constraint_cannot_honour() -> None:
+    from pagedserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
+
+    c = StructuredOutput("regex", "[a-z]+")
+    with pytest.raises(InvalidRequestError, match="takes no ignore_eos"):
+        SamplingParams(structured=c, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="takes no min_tokens"):
+        SamplingParams(structured=c, min_tokens=3)
+    with pytest.raises(InvalidRequestError, match="names a token id twice"):
+        SamplingParams(logit_bias=((5, 1.0), (5, 2.0)))
+    with pytest.raises(InvalidRequestError, match=r"must be in \[-100, 100\]"):
+        SamplingParams(logit_bias=((5, 101.0),))
+
+
 def test_bad_constraints_are_refused(stack: Stack) -> None:
     for c, words in (
         (common_pb2.StructuredOutput(regex="(("), "regex does not compile"),
