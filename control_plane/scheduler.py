@@ -344,11 +344,12 @@ class Scheduler:
         )
 
     def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
+        hold = self._hold_beam_steps()
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             if req.beam is not None:
-                if not self._schedule_group(plan, budget, req.beam):
+                if not self._schedule_group(plan, budget, req.beam, hold):
                     return  # the group was the newest running unit, and is preempted
                 i += len(req.beam.beams)
                 continue
@@ -402,13 +403,32 @@ class Scheduler:
             left -= n
         return nums if any(nums) else None
 
-    def _schedule_group(self, plan: StepPlan, budget: _StepBudget, group: BeamGroup) -> bool:
+    def _hold_beam_steps(self) -> bool:
+        """Whether beam groups ready for their next step wait for the plan after this one:
+        when at least as many beams have a step in flight. A group's step must wait for its
+        selection, so with async scheduling groups would otherwise settle into cohorts that
+        take turns, each step computing only part of the beams; held, they merge into one
+        cohort and every step computes all of them."""
+        in_flight = ready = 0
+        for r in self.running:
+            if r.beam is not None:
+                if r.num_pending_outputs:
+                    in_flight += 1
+                elif r.num_tokens - r.num_computed_tokens == 1:
+                    ready += 1
+        return 0 < ready <= in_flight
+
+    def _schedule_group(
+        self, plan: StepPlan, budget: _StepBudget, group: BeamGroup, hold: bool = False
+    ) -> bool:
         """Schedules a running beam group as one unit; False if it was preempted. Blocks for
         every beam are made free first (preempting newer units), then reserved: a reservation
         that copies a shared block replaces it in the table at once, so one that could not be
         completed would leave a copy the plan never makes."""
         if any(b.num_pending_outputs for b in group.beams):
             return True  # its step is in flight: the next one waits for the selection
+        if hold and all(b.num_tokens - b.num_computed_tokens == 1 for b in group.beams):
+            return True
         bm = self.block_manager
         if group.unforked:
             self._fork_recomputed_beams(group)
