@@ -83,6 +83,8 @@ class ControlPlane:
         # Structured output: constraints are parsed (checked) on these threads.
         self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
         self._checked: dict[StructuredOutput, InvalidRequestError | None] = {}
+        # Compilations asked of each worker (a done task: compiled there).
+        self._prepared: dict[tuple[str, int, StructuredOutput], asyncio.Future[None]] = {}
 
     async def connect(self) -> None:
         """Registers the listed workers as they answer, each retried with a back-off of at
@@ -326,9 +328,20 @@ class ControlPlane:
         --grammar-compile-timeout is refused. A worker that cannot be asked (it is failing)
         compiles when the request first runs."""
         timeout = self.config.grammar_compile_timeout_s
+        # One call per worker (and epoch: a restarted one has an empty cache) and constraint:
+        # a burst of requests with a new schema waits for the same compilation.
+        key = (loop.client.address, loop.info.epoch, constraint)
+        task = self._prepared.get(key)
+        if task is None:
+            task = asyncio.ensure_future(loop.client.prepare_grammar(constraint, timeout))
+            self._prepared[key] = task
+            while len(self._prepared) > grammar.CACHE_SIZE:
+                del self._prepared[next(iter(self._prepared))]
         try:
-            await loop.client.prepare_grammar(constraint, timeout)
+            await asyncio.shield(task)
         except grpc.aio.AioRpcError as exc:
+            if self._prepared.get(key) is task:
+                del self._prepared[key]  # asked again next time
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequestError(
                     exc.details() or "the constraint does not compile"

@@ -103,8 +103,12 @@ class ModelThread:
                     future.set_exception(WorkerStopping("the worker is stopping"))
 
 
-# Structured-output compilations running at once on the worker's gRPC threads (of 8).
-PREPARE_SLOTS = 4
+# Structured-output compilations: at most COMPILE_THREADS run at once (each uses xgrammar's
+# own threads too), at most PREPARE_SLOTS calls wait for one (each holds a gRPC thread, of
+# GRPC_THREADS: health checks and the Execute stream need theirs).
+COMPILE_THREADS = 2
+PREPARE_SLOTS = 16
+GRPC_THREADS = 32
 
 
 class WorkerStopping(RuntimeError):
@@ -283,6 +287,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model = model
         self._stream_lock = threading.Lock()
         self._prepare_slots = threading.BoundedSemaphore(PREPARE_SLOTS)
+        self._compiles = futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="compile")
 
     def Describe(
         self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext
@@ -292,15 +297,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def PrepareGrammar(
         self, request: worker_pb2.PrepareGrammarRequest, context: grpc.ServicerContext
     ) -> worker_pb2.PrepareGrammarResponse:
-        """Compiles on this gRPC thread, so that the model thread finds it cached; at most
-        PREPARE_SLOTS at once, so that compilations never hold every gRPC thread (health
-        checks need one): beyond, RESOURCE_EXHAUSTED (the client retries)."""
+        """Compiles off the model thread, so that it finds the grammar cached; beyond
+        PREPARE_SLOTS waiting calls, RESOURCE_EXHAUSTED (the client retries)."""
         if not self._prepare_slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the worker is busy compiling")
         try:
             constraint = wire.structured_from_proto(request.constraint)
             start = time.perf_counter()
-            self.worker.runner.grammar().compile(constraint)
+            grammar = self.worker.runner.grammar()
+            self._compiles.submit(grammar.compile, constraint).result(context.time_remaining())
+        except futures.TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the constraint is still compiling")
         except (InvalidRequestError, PlanError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
@@ -419,7 +426,7 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
         ("grpc.http2.max_pings_without_data", 0),
     ]
     server = grpc_security.server(
-        cfg.grpc_security, futures.ThreadPoolExecutor(max_workers=8), options
+        cfg.grpc_security, futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), options
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, model), server)
     health_servicer = health.HealthServicer()
