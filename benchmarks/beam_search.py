@@ -34,8 +34,7 @@ system so that every returned sequence has 128 tokens:
     request per beam that finds its context in the prefix cache, so every step recomputes the
     part of each beam's context past its last full block: with the CPU default of 128 tokens
     a block, that is ~64 tokens per beam per step, and the search ran ~7x slower on SmolLM2
-    (12.5 against 87 output tok/s over 16 tokens); 16 fails to start on this CPU backend,
-    32 is the smallest it takes;
+    (12.5 against 87 output tok/s over 16 tokens); 16 failed to start on this CPU backend;
   * transformers: `generate(num_beams=4, num_return_sequences=4, do_sample=False)`, the 32
     prompts in one left-padded batch (`--hf-batch-size`), with the model's EOS unset so that
     no candidate ends a beam (exactly what ignore_eos does in pagedserve and in vLLM: EOS is
@@ -47,6 +46,7 @@ sequence (32 x 4 x 128 = 16,384), up to max_tokens each. The table also counts p
 best sequence, and whose whole ordered list of 4, equals pagedserve's.
 
     python -m benchmarks.beam_search --vllm-venv /path/to/vllm-venv
+    python -m benchmarks.beam_search --vllm-venv /path/to/vllm-venv --repeat 3   # tiny: medians
     python -m benchmarks.beam_search --models tiny --parts memory
     python -m benchmarks.beam_search --quick          # a small smoke run (tiny, no vLLM)
 """
@@ -139,7 +139,19 @@ class BeamRun:
     sequences: list[list[list[int]]] | None = None
     scores: list[list[float]] | None = None
     skipped: str | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
+    rounds_s: list[float] = field(default_factory=list)  # every timed round; elapsed_s: median
+
+    @classmethod
+    def of_rounds(
+        cls,
+        system: str,
+        rounds_s: list[float],
+        sequences: list[list[list[int]]],
+        scores: list[list[float]] | None = None,
+    ) -> BeamRun:
+        """elapsed_s is the median round (of an even number, the slower middle one)."""
+        median = sorted(rounds_s)[len(rounds_s) // 2]
+        return cls(system, median, sequences, scores, rounds_s=rounds_s)
 
     def output_tokens(self, max_tokens: int) -> int:
         return sum(min(len(s), max_tokens) for seqs in self.sequences or [] for s in seqs)
@@ -181,7 +193,7 @@ def _collect(msgs: Any, n: int) -> tuple[list[list[int]], list[float]]:
     return seqs, scores
 
 
-async def _drive_beams(address: str, wl: BeamWorkload) -> BeamRun:
+async def _drive_beams(address: str, wl: BeamWorkload, repeat: int = 1) -> BeamRun:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.ControlPlaneStub(channel)
 
@@ -190,20 +202,22 @@ async def _drive_beams(address: str, wl: BeamWorkload) -> BeamRun:
             return _collect(msgs, wl.width)
 
         await one(wl.prompts[0][:8], 2)  # warm-up: connections, the beam path's first steps
-        start = time.perf_counter()
-        outs = await asyncio.gather(*(one(p, wl.max_tokens) for p in wl.prompts))
-        elapsed = time.perf_counter() - start
-    return BeamRun(
+        rounds = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            outs = await asyncio.gather(*(one(p, wl.max_tokens) for p in wl.prompts))
+            rounds.append(time.perf_counter() - start)
+    return BeamRun.of_rounds(
         "pagedserve (worker + control plane, gRPC)",
-        elapsed,
+        rounds,
         [o[0] for o in outs],
         [o[1] for o in outs],
     )
 
 
-def run_pagedserve(model: Path, wl: BeamWorkload, opts: StackOptions) -> BeamRun:
+def run_pagedserve(model: Path, wl: BeamWorkload, opts: StackOptions, repeat: int = 1) -> BeamRun:
     with start_stack(model, opts) as stack:
-        return asyncio.run(_drive_beams(stack.address, wl))
+        return asyncio.run(_drive_beams(stack.address, wl, repeat))
 
 
 # -- transformers ---------------------------------------------------------------------------------
@@ -225,7 +239,7 @@ def _hf_beam_config(width: int, max_new_tokens: int, pad: int) -> Any:
 
 
 @torch.inference_mode()
-def run_hf(model: Path, wl: BeamWorkload, dtype: str, batch_size: int) -> BeamRun:
+def run_hf(model: Path, wl: BeamWorkload, dtype: str, batch_size: int, repeat: int = 1) -> BeamRun:
     name = f"transformers generate(num_beams={wl.width}), batches of {batch_size}, left pad"
     m = baselines._hf_model(model, dtype)  # loaded and warmed up as the other benchmarks do
     # ignore_eos: with no EOS id, no candidate ends a beam and EOS is an ordinary token (an
@@ -248,9 +262,12 @@ def run_hf(model: Path, wl: BeamWorkload, dtype: str, batch_size: int) -> BeamRu
         return out
 
     generate([p[:8] for p in wl.prompts[:2]], 2)  # warm-up of the beam path, untimed
-    start = time.perf_counter()
-    sequences = generate(wl.prompts, wl.max_tokens)
-    return BeamRun(name, time.perf_counter() - start, sequences)
+    rounds = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        sequences = generate(wl.prompts, wl.max_tokens)
+        rounds.append(time.perf_counter() - start)
+    return BeamRun.of_rounds(name, rounds, sequences)
 
 
 # -- vLLM -----------------------------------------------------------------------------------------
@@ -270,15 +287,17 @@ def main():
         return BeamSearchParams(beam_width=spec["beam_width"], max_tokens=n, ignore_eos=True,
                                 length_penalty=1.0)
     llm.beam_search(prompts[:2], params(2))  # warm-up
-    start = time.perf_counter()
-    outs = llm.beam_search(prompts, params(spec["max_tokens"]))
-    elapsed = time.perf_counter() - start
+    rounds = []
+    for _ in range(spec["repeat"]):
+        start = time.perf_counter()
+        outs = llm.beam_search(prompts, params(spec["max_tokens"]))
+        rounds.append(time.perf_counter() - start)
     seqs, scores = [], []
     for o, p in zip(outs, spec["prompts"]):
         gen = [list(s.tokens[len(p):]) for s in o.sequences]
         seqs.append(gen)
         scores.append([s.cum_logprob / max(len(g), 1) for s, g in zip(o.sequences, gen)])
-    json.dump({"elapsed_s": elapsed, "sequences": seqs, "scores": scores},
+    json.dump({"rounds_s": rounds, "sequences": seqs, "scores": scores},
               open(sys.argv[2], "w"))
 if __name__ == "__main__":
     main()
@@ -291,6 +310,7 @@ def run_vllm(
     venv: Path | None,
     dtype: str,
     block_size: int | None = None,
+    repeat: int = 1,
     timeout: float = 3600,
 ) -> BeamRun:
     bs = f"block size {block_size}" if block_size else "default block size"
@@ -312,6 +332,7 @@ def run_vllm(
                     "max_model_len": max(wl.max_seq_len, 512),
                     "dtype": dtype,
                     "block_size": block_size,
+                    "repeat": repeat,
                 }
             )
         )
@@ -329,7 +350,7 @@ def run_vllm(
             tail = (proc.stderr or proc.stdout)[-600:]
             return BeamRun(name, skipped=f"vLLM failed (exit {proc.returncode}): {tail}")
         data = json.loads(out.read_text())
-    return BeamRun(name, float(data["elapsed_s"]), data["sequences"], data["scores"])
+    return BeamRun.of_rounds(name, data["rounds_s"], data["sequences"], data["scores"])
 
 
 # -- throughput -----------------------------------------------------------------------------------
@@ -343,18 +364,19 @@ def throughput(
     vllm_venv: Path | None,
     hf_batch_size: int,
     vllm_block_size: int = 32,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     runs: dict[str, BeamRun] = {}
     for key in systems:
         print(f"  running {key} ...", flush=True)
         if key == "pagedserve":
-            run = run_pagedserve(model, wl, opts)
+            run = run_pagedserve(model, wl, opts, repeat)
         elif key == "vllm":
-            run = run_vllm(model, wl, vllm_venv, opts.dtype, vllm_block_size or None)
+            run = run_vllm(model, wl, vllm_venv, opts.dtype, vllm_block_size or None, repeat)
         elif key == "hf" and not baselines.python_has("transformers"):
             run = BeamRun("transformers", skipped="transformers is not installed")
         else:
-            run = run_hf(model, wl, opts.dtype, hf_batch_size)
+            run = run_hf(model, wl, opts.dtype, hf_batch_size, repeat)
         if run.skipped:
             print(f"    skipped: {run.skipped}", flush=True)
         else:
@@ -375,6 +397,7 @@ def throughput(
                 "system": r.system,
                 "output_tok_per_s": tps,
                 "elapsed_s": None if r.skipped else r.elapsed_s,
+                "tok_per_s_rounds": [r.output_tokens(wl.max_tokens) / t for t in r.rounds_s],
                 "output_tokens": None if r.skipped else r.output_tokens(wl.max_tokens),
                 "pagedserve_ratio": ours_tps / tps if ours_tps and tps else None,
                 **_agreement(ref, r),
@@ -382,7 +405,12 @@ def throughput(
                 "skipped": r.skipped,
             }
         )
-    return {"workload": wl.describe(), "outputs_compared_with": ref_key, "systems": rows}
+    return {
+        "workload": wl.describe(),
+        "repeat": repeat,
+        "outputs_compared_with": ref_key,
+        "systems": rows,
+    }
 
 
 def _agreement(ours: BeamRun | None, other: BeamRun) -> dict[str, Any]:
@@ -563,11 +591,21 @@ def print_throughput(model_name: str, rep: dict[str, Any]) -> None:
             r["pagedserve_ratio"],
             None if r["same_best"] is None else f"{r['same_best']}/{n}",
             None if r["same_all"] is None else f"{r['same_all']}/{n}",
+            " ".join(f"{x:,.0f}" for x in r["tok_per_s_rounds"])
+            if len(r["tok_per_s_rounds"]) > 1
+            else None,
         ]
         for r in rep["systems"]
     ]
     ref = rep["outputs_compared_with"]
-    headers = ["system", "output tok/s", "pagedserve ×", f"same best as {ref}", "same all"]
+    headers = [
+        "system",
+        "output tok/s",
+        "pagedserve ×",
+        f"same best as {ref}",
+        "same all",
+        "rounds (tok/s)",
+    ]
     print(format_table(headers, rows))
     for r in rep["systems"]:
         if r["skipped"]:
@@ -615,6 +653,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=4, help="throughput: beam width")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=32, help="prompts per generate call")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="throughput: timed rounds of each system on --repeat-models (median reported)",
+    )
+    p.add_argument("--repeat-models", default="tiny", help="models whose systems --repeat")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="tiny, few short prompts, no vLLM")
@@ -679,7 +724,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cp_args=CP_ARGS,
             )
             entry["throughput"] = throughput(
-                model, wl, systems, opts, a.vllm_venv, a.hf_batch_size, a.vllm_block_size
+                model,
+                wl,
+                systems,
+                opts,
+                a.vllm_venv,
+                a.hf_batch_size,
+                a.vllm_block_size,
+                a.repeat if name in a.repeat_models.split(",") else 1,
             )
             print_throughput(name, entry["throughput"])
     report["load_avg_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -245,18 +245,19 @@ def test_equal_to_transformers(
     assert stats.num_copied_blocks > 0
 
 
+@pytest.mark.parametrize("raised", [True, False], ids=["eos-raised", "plain"])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_equal_under_preemption(
-    mode: str, checkpoints: dict[bool, Path], expected: dict[Case, Result]
+    mode: str, raised: bool, checkpoints: dict[bool, Path], expected: dict[Case, Result]
 ) -> None:
-    cases = [c for c in CASES if c.eos_raised]
+    cases = [c for c in CASES if c.eos_raised == raised]
     biggest = max(
         BeamGroup.start(
             Request("x", list(c.prompt), c.sampling()), (EOS_ID,), 2048
         ).worst_case_blocks(BLOCK_SIZE)
         for c in cases
     )
-    runner = make_runner(checkpoints[True], biggest + 4, 256)
+    runner = make_runner(checkpoints[raised], biggest + 4, 256)
     got, sched = run_engine(runner, cases, mode=mode)
     for case in cases:
         assert_same(got[case], expected[case], case)
