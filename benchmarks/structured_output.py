@@ -241,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "constrained_vs_unconstrained": constrained["tokens_per_s"] / unconstrained["tokens_per_s"]
     }
     if "tokens_per_s" in vllm:
-        ratios["constrained_vs_vllm_constrained"] = (
-            constrained["tokens_per_s"] / float(vllm["tokens_per_s"])
+        ratios["constrained_vs_vllm_constrained"] = constrained["tokens_per_s"] / float(
+            vllm["tokens_per_s"]
         )
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
