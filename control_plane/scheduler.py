@@ -523,14 +523,7 @@ class Scheduler:
         assert moves is not None
         plan.swap_in.extend(moves)
         self._counters.swapped_in_blocks += len(moves)
-        reserved: list[SlotReservation | None] = []
-        for beam, n in zip(group.beams, nums, strict=True):
-            assert self.swapped.popleft() is beam
-            self._start_running(beam)
-            slots = self._reserve(beam, n) if n else None
-            assert slots is not None or not n
-            reserved.append(slots)
-        self._schedule_beams(plan, budget, group, nums, reserved)
+        self._start_group(plan, budget, group, nums, self.swapped)
         return True
 
     def _admit_group(self, plan: StepPlan, budget: _StepBudget, group: BeamGroup) -> bool:
@@ -557,15 +550,27 @@ class Scheduler:
             if len(group.beams) > 1:
                 group.recompute()
             return False
+        self._start_group(plan, budget, group, nums, self.waiting)
+        return True
+
+    def _start_group(
+        self,
+        plan: StepPlan,
+        budget: _StepBudget,
+        group: BeamGroup,
+        nums: list[int],
+        queue: deque[Request],
+    ) -> None:
+        """Moves a group from the front of `queue` to the running ones and schedules it; its
+        blocks were counted free."""
         reserved: list[SlotReservation | None] = []
         for beam, n in zip(group.beams, nums, strict=True):
-            assert self.waiting.popleft() is beam
+            assert queue.popleft() is beam
             self._start_running(beam)
             slots = self._reserve(beam, n) if n else None
             assert slots is not None or not n
             reserved.append(slots)
         self._schedule_beams(plan, budget, group, nums, reserved)
-        return True
 
     def _schedule_waiting(self, plan: StepPlan, budget: _StepBudget) -> None:
         bm = self.block_manager
