@@ -29,6 +29,9 @@ class ControlPlaneConfig:
     tokenizer: str | None = None  # defaults to the model path the worker reports
     served_model_name: str | None = None
     worker_connect_timeout_s: float = 300.0  # for the first worker at startup; 0: no limit
+    # A request that comes before any worker has registered waits this long for one; 0: it is
+    # refused at once.
+    worker_wait_timeout_s: float = 30.0
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # plan step n+1 while the worker runs step n
     worker_failover_s: float = 10.0  # a worker silent this long loses its requests to others
@@ -57,5 +60,7 @@ class ControlPlaneConfig:
             raise ValueError("grammar_compile_timeout_s must be > 0")
         if self.worker_connect_timeout_s < 0:
             raise ValueError("worker_connect_timeout_s must be >= 0 (0: no limit)")
+        if self.worker_wait_timeout_s < 0:
+            raise ValueError("worker_wait_timeout_s must be >= 0 (0: no wait)")
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -376,12 +376,25 @@ class ControlPlane:
                 limit += max(1, min(self.config.max_num_seqs, fits))
         return limit
 
-    def check_ready(self) -> None:
-        """UNAVAILABLE until the first worker has registered (the model is unknown before)."""
+    async def wait_ready(self) -> None:
+        """Returns once the first worker has registered (the model is unknown before): at once
+        when one has, else as soon as one does, waiting at most --worker-wait-timeout seconds;
+        past that, UNAVAILABLE naming the workers waited for. The wait is on the event that
+        registration sets, so a waiting request holds no lock and polls nothing; a client that
+        cancels, or whose deadline passes, ends its wait (gRPC cancels the call's task)."""
+        if self.info is not None:
+            return
+        timeout = self.config.worker_wait_timeout_s
+        if timeout > 0:
+            try:
+                await asyncio.wait_for(self._registered.wait(), timeout)
+            except TimeoutError:
+                pass
         if self.info is None:
             raise AdmissionError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no worker has registered yet (waiting for {', '.join(sorted(self.pending))})",
+                f"no worker is ready (waited {timeout:g} s for "
+                f"{', '.join(sorted(self.pending))}; --worker-wait-timeout)",
             )
 
     async def tokenize(

@@ -62,7 +62,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         rlog = log.bind(request_id=req_id)
         stream = None
         try:
-            cp.check_ready()
+            await cp.wait_ready()
             _check_model(cp, request.model)
             prompt_ids = await self._prompt_ids(request)
             default_max_tokens = None
@@ -150,10 +150,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
+        try:
+            await self.cp.wait_ready()
+        except AdmissionError as exc:
+            await context.abort(exc.code, str(exc))
         info = self.cp.info
-        if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has registered yet")
-            raise AssertionError("abort raises")
+        assert info is not None
         model = pb.ModelInfo(
             id=self.cp.model_name,
             max_model_len=info.max_model_len,
@@ -172,7 +174,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     ) -> pb.TokenizeResponse:
         cp = self.cp
         try:
-            cp.check_ready()
+            await cp.wait_ready()
             _check_model(cp, request.model)
             which = request.WhichOneof("prompt")
             if which is None:
@@ -201,7 +203,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     ) -> pb.DetokenizeResponse:
         cp = self.cp
         try:
-            cp.check_ready()
+            await cp.wait_ready()
             _check_model(cp, request.model)
             assert cp.info is not None and cp.tokenizer is not None
             ids = list(request.token_ids)

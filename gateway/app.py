@@ -361,10 +361,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
             snapshot: pb.StatsResponse | None = await gw.upstream.stats()
         except grpc.aio.AioRpcError:
             snapshot = None
-        try:
-            name, _ = await gw.model_names(None)
-        except APIError:
-            name = ""
+        name = ""
+        # Before a worker has registered the model is unknown, and asking would wait for one.
+        if config.served_model_name is not None or (snapshot is not None and snapshot.workers):
+            try:
+                name, _ = await gw.model_names(None)
+            except APIError:
+                pass
         return Response(gw.metrics.render(snapshot, name), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:

@@ -25,7 +25,7 @@ class GatewayConfig:
     graceful_shutdown_s: float = 30.0
     # Retry-After (seconds) sent with 429 when the control plane's queue is full.
     retry_after_s: int = 1
-    # Deadline for the health, stats and model-list calls to the control plane.
+    # Deadline for the health and stats calls to the control plane.
     control_timeout_s: float = 2.0
     # How long a new request waits for the channel to the control plane to be ready (it may be
     # between reconnect attempts) before its 503.

@@ -130,8 +130,10 @@ class Upstream:
         return await self.stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
 
     async def models(self) -> list[pb.ModelInfo]:
+        """The served models. No deadline of ours: before any worker has registered the control
+        plane holds the call for up to its --worker-wait-timeout, as it holds a Generate."""
         await self.connected()
-        resp = await self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s)
+        resp = await self.stub.ListModels(pb.ListModelsRequest())
         return list(resp.models)
 
     async def serving(self) -> bool:

@@ -190,6 +190,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
             grpc_security=_grpc_security(a),
             worker_failover_s=a.worker_failover_timeout,
             worker_connect_timeout_s=a.worker_connect_timeout,
+            worker_wait_timeout_s=a.worker_wait_timeout,
             grammar_compile_timeout_s=a.grammar_compile_timeout,
             max_request_tokens=a.max_request_tokens,
             max_logprob_entries=a.max_logprob_entries,
@@ -377,6 +378,14 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds to wait at startup for the first listed worker to answer before exiting "
         "(0: no limit); the others join whenever they answer",
+    )
+    _flag(
+        p,
+        "--worker-wait-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request that comes before any worker has registered waits for one "
+        "before it is refused with UNAVAILABLE (HTTP 503); 0: refused at once",
     )
     _flag(
         p,

@@ -211,6 +211,7 @@ SCHEDULER_FLAGS = [
     "worker-failover-timeout",
     "grammar-compile-timeout",
     "worker-connect-timeout",
+    "worker-wait-timeout",
 ]
 # One request's budget: the gateway checks an HTTP request's total, the control plane each call.
 BUDGET_FLAGS = ["max-request-tokens", "max-logprob-entries"]

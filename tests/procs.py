@@ -41,7 +41,8 @@ def read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 180.0)
 
 class ServerProcess:
     """`env` is added to the process's environment; `security` is what its health check needs
-    (TLS: the token is not needed for health)."""
+    (TLS: the token is not needed for health); it is ready when the health service names
+    `ready_service` SERVING (a control plane's "liveness": up, with or without workers)."""
 
     def __init__(
         self,
@@ -50,10 +51,12 @@ class ServerProcess:
         ready_address: str,
         env: dict[str, str] | None = None,
         security: GrpcSecurity = INSECURE,
+        ready_service: str = "",
     ) -> None:
         self.name = name
         self.address = ready_address
         self.security = security
+        self.ready_service = ready_service
         self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
         env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(
@@ -75,7 +78,8 @@ class ServerProcess:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.name} exited early:\n{self.output()[-4000:]}")
                 try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    check = health_pb2.HealthCheckRequest(service=self.ready_service)
+                    r = stub.Check(check, timeout=1)
                     if r.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:

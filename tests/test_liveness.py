@@ -191,11 +191,13 @@ def test_control_plane_without_workers_exits_with_one_clear_line(micro_llama: Pa
 def test_requests_before_any_worker_get_unavailable(
     spawn: Callable[..., ServerProcess], answer: str
 ) -> None:
+    """With --worker-wait-timeout 0 they are refused at once (tests/test_worker_readiness.py
+    has the wait)."""
     nowhere = f"127.0.0.1:{free_port()}"
     cp_port = free_port()
     cmd = [
         sys.executable, "-m", "pagedserve.cli", "control-plane", "--port", str(cp_port),
-        "--workers", nowhere,
+        "--workers", nowhere, "--worker-wait-timeout", "0",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -217,7 +219,7 @@ def test_requests_before_any_worker_get_unavailable(
                 else:
                     stub.ListModels(pb.ListModelsRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert nowhere in err.value.details() or answer == "ListModels"
+        assert "no worker is ready" in err.value.details() and nowhere in err.value.details()
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(20)
