@@ -408,14 +408,6 @@ class SamplingFields(_Body):
                 f"least n (the sequences returned, {self.n})",
                 "best_of",
             )
-        constraint = self.output_constraint()
-        if constraint is not None or self.logit_bias:
-            name = constraint.param.split(".")[0] if constraint is not None else "logit_bias"
-            raise bad_request(
-                f"use_beam_search does not take {name}: beams are scored over the model's "
-                "own distribution; leave it out with use_beam_search",
-                name,
-            )
         conflicts = self.beam_search_conflicts()
         if conflicts:
             name, value = conflicts[0]

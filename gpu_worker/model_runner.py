@@ -18,7 +18,8 @@ from gpu_worker.attention import AttentionBackend, BatchLayout
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.models.llama import CausalLM
 from gpu_worker.sampler import Sampler, SamplingRow
-from pagedserve.grammar import GrammarCompiler, Matcher, mask_logits
+from gpu_worker.token_mask import mask_logits
+from pagedserve.grammar import GrammarCompiler, Matcher
 from pagedserve.log import get_logger
 from pagedserve.plan import (
     NewRequestData,
@@ -162,8 +163,9 @@ class ModelRunner:
                 self.requests[req_id].num_computed_tokens += n
             for req_id, tok in result.sampled.items():
                 st = self.requests[req_id]
-                if not st.sampling.beam_width:  # a beam's token comes with a later fork
-                    st.token_ids.append(tok.token_id)
+                if st.sampling.beam_width:  # a beam's token comes with a later fork
+                    continue
+                st.token_ids.append(tok.token_id)
                 # A terminated matcher's request has ended (the control plane learns it from
                 # this token's predecessor, EOS): a step planned meanwhile samples freely.
                 if st.matcher is not None and not st.matcher.terminated:
@@ -199,6 +201,11 @@ class ModelRunner:
         sources = {f.src_req_id: self._state(f.src_req_id) for f in plan.beam_forks}
         for f in plan.beam_forks:
             src = sources[f.src_req_id]
+            matcher = None
+            if src.matcher is not None:  # each beam advances its own copy past its token
+                matcher = src.matcher.fork()
+                if not matcher.terminated:
+                    matcher.accept(f.token_id)
             self.requests[f.req_id] = RequestState(
                 req_id=f.req_id,
                 token_ids=[*src.token_ids, f.token_id],
@@ -206,6 +213,7 @@ class ModelRunner:
                 sampling=src.sampling,
                 block_ids=list(src.block_ids),
                 num_computed_tokens=src.num_computed_tokens,
+                matcher=matcher,
             )
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, SampledToken]:
@@ -236,6 +244,7 @@ class ModelRunner:
         """Each beam row's best candidates by float32 log-softmax (transformers' beam
         scores), as many as `beam_candidates` keeps over the whole search."""
         logprobs = logits.float().log_softmax(dim=-1)
+        self._constrain(logprobs, states)  # as transformers' logits processors: after it
         num_eos = len(self.eos_token_ids)
         k = max(
             beam_candidates(s.sampling.beam_width, 0 if s.sampling.ignore_eos else num_eos)

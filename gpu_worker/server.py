@@ -103,9 +103,9 @@ class ModelThread:
                     future.set_exception(WorkerStopping("the worker is stopping"))
 
 
-# Structured-output compilations: at most COMPILE_THREADS run at once (each uses xgrammar's
-# own threads too), at most PREPARE_SLOTS calls wait for one (each holds a gRPC thread, of
-# GRPC_THREADS: health checks and the Execute stream need theirs).
+# Structured-output compilations: at most COMPILE_THREADS run at once, at most PREPARE_SLOTS
+# calls wait for one (each holds a gRPC thread, of GRPC_THREADS: health checks and the Execute
+# stream need theirs).
 COMPILE_THREADS = 2
 PREPARE_SLOTS = 16
 GRPC_THREADS = 32

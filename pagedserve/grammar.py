@@ -1,21 +1,25 @@
 """Structured output: a request's constraint (`StructuredOutput`) compiled into a grammar over
 the model's vocabulary, and a matcher per request that says, before each token, which tokens
-keep the text inside it (xgrammar: a compiled grammar precomputes the mask of most tokens per
-grammar position, so a step's mask costs microseconds, and compilation is cached).
+keep the text inside it (llguidance: an Earley parser over a lazily built lexer, so a grammar
+is ready in about a millisecond, however large its schema, and a step's mask costs tens of
+microseconds a row).
 
-Both planes compile: the control plane at admission, so that a constraint that does not
-compile is refused (INVALID_ARGUMENT) before it reaches a worker, and the worker when a
-constrained request first arrives (the same constraint compiles to the same grammar; each
-process caches by constraint). JSON schemas compile with compact separators and no free
-whitespace, so a model cannot wander into endless blanks. The stop tokens are the model's EOS
-ids: the mask allows them exactly where the text is complete, so a constrained output ends
-with EOS there (or at max_tokens).
+Both planes build grammars: the control plane checks a constraint at admission without the
+vocabulary, so that one that does not compile is refused (INVALID_ARGUMENT) before it reaches
+a worker, and the worker builds a matcher over its vocabulary when a constrained request first
+arrives (each process caches by constraint, a refusal too). JSON schemas compile with compact
+separators and no free whitespace, so a model cannot wander into endless blanks; generation
+is narrower than what the schema validates in three more ways, each so that a small model
+cannot wander either: an object that does not say otherwise admits no properties beyond those
+it lists (as OpenAI's strict mode), a string `pattern` is matched whole, and a number has at
+most six digits after the point. The stop tokens are the model's EOS ids: the mask allows
+them exactly where the text is complete, so a constrained output ends with EOS there (or at
+max_tokens).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,6 +27,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -30,7 +35,7 @@ from pagedserve.sampling_params import InvalidRequestError, StructuredOutput
 
 # Compiled grammars (and refusals) kept per process.
 CACHE_SIZE = 512
-# Threads a compilation, and a step's mask filling, may use.
+# Threads a step's mask filling may use.
 GRAMMAR_THREADS = 2
 _FIELD = {
     "json_schema": "json_schema",
@@ -39,6 +44,16 @@ _FIELD = {
     "choice": "choice",
     "grammar": "grammar",
 }
+# JSON output: no whitespace between tokens; a schema's own "x-guidance" cannot turn it on.
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
+# A generated number is a multiple of this: at most six digits after the point, no exponent.
+NUMBER_STEP = 1e-6
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")  # fmt: skip
 
 
 def vocab_tokenizer(model_path: str | Path) -> Tokenizer:
@@ -53,66 +68,112 @@ def vocab_tokenizer(model_path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
 
 
-def _choice_grammar(options: list[str]) -> str:
-    # JSON string escapes are EBNF string escapes for these characters.
-    return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+def _strict(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object without `additionalProperties` admits no
+    other properties, every `pattern` is anchored at both ends (JSON Schema's pattern is a
+    search; an output matching the whole pattern satisfies it all the same), and a number has
+    at most six digits after the point (JSON Schema bounds none: at greedy a small model can
+    repeat a digit until max_tokens)."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = _strict(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_strict(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _strict(s) for name, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _strict(out["additionalProperties"])
+    is_object = out.get("type") == "object" or (
+        isinstance(out.get("type"), list) and "object" in out["type"]
+    )
+    if (is_object or "properties" in out) and "additionalProperties" not in out:
+        if "patternProperties" not in out and "unevaluatedProperties" not in out:
+            out["additionalProperties"] = False
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = _anchor(out["pattern"])
+    kinds: list[Any] = out["type"] if isinstance(out.get("type"), list) else [out.get("type")]
+    if "number" in kinds and "multipleOf" not in out:
+        out["multipleOf"] = NUMBER_STEP
+    return out
+
+
+def _anchor(pattern: str) -> str:
+    """The pattern matched whole: ^(?:body)$, its own outer anchors dropped (whatever matches
+    the result matches the pattern)."""
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    return f"^(?:{body})$"
+
+
+def grammar_text(constraint: StructuredOutput) -> str:
+    """The constraint as an llguidance grammar; InvalidRequestError if it cannot be one."""
+    import llguidance as llg
+
+    c = constraint
+    try:
+        if c.kind == "json_schema":
+            return str(
+                llg.LLMatcher.grammar_from_json_schema(
+                    _strict(json.loads(c.spec)), overrides=_JSON_OPTIONS
+                )
+            )
+        if c.kind == "json_object":
+            return str(
+                llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+            )
+        if c.kind == "choice":
+            return str(llg.grammar_from("choice", json.dumps(c.choice_list, ensure_ascii=False)))
+        return str(llg.grammar_from(c.kind, c.spec))  # regex; grammar: GBNF or Lark
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise _refusal(constraint, str(exc)) from None
 
 
 def check(constraint: StructuredOutput) -> None:
-    """Parses a constraint into a grammar, without the vocabulary (about a millisecond): a
-    schema, regex or grammar that cannot compile fails here. InvalidRequestError naming the
-    field and the reason."""
-    import xgrammar as xgr
+    """Builds a constraint's grammar without the vocabulary (about a millisecond): a schema,
+    regex or grammar that cannot compile fails here. InvalidRequestError naming the field and
+    the reason."""
+    import llguidance as llg
 
-    try:
-        if constraint.kind == "json_schema":
-            xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False, strict_mode=True)
-        elif constraint.kind == "regex":
-            xgr.Grammar.from_regex(constraint.spec)
-        elif constraint.kind == "choice":
-            xgr.Grammar.from_ebnf(_choice_grammar(constraint.choice_list))
-        elif constraint.kind == "grammar":
-            xgr.Grammar.from_ebnf(constraint.spec)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise _refusal(constraint, exc) from None
+    error = llg.LLMatcher.validate_grammar(grammar_text(constraint))
+    if error:
+        raise _refusal(constraint, error)
 
 
-def _refusal(constraint: StructuredOutput, exc: Exception) -> InvalidRequestError:
-    # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:line: ".
-    text = re.sub(
-        r"^\[[0-9:]+\] \S+:[0-9]+: ",
-        "",
-        str(exc).strip().splitlines()[0] if str(exc).strip() else "",
-    )
-    return InvalidRequestError(
-        f"{_FIELD[constraint.kind]} does not compile: {text or type(exc).__name__}"
-    )
+def _refusal(constraint: StructuredOutput, message: str) -> InvalidRequestError:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    text = " ".join(lines[:3])[:300]
+    return InvalidRequestError(f"{_FIELD[constraint.kind]} does not compile: {text or 'invalid'}")
 
 
 class GrammarCompiler:
-    """Compiles constraints for one vocabulary; thread-safe; caches by constraint (a refusal
-    too, so a bad constraint sent again costs nothing)."""
+    """Builds matchers for one vocabulary; thread-safe; caches a matcher at the start of each
+    constraint's grammar (a refusal too, so a bad constraint sent again costs nothing)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
-        import transformers
-        import xgrammar as xgr
+        import llguidance as llg
 
-        hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(
-            hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
-        )
-        self._xgr = xgr
-        self._compiler = xgr.GrammarCompiler(
-            self.info, max_threads=GRAMMAR_THREADS, cache_enabled=False
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._llg = llg
+        self._tokenizer = llg.LLTokenizer(
+            tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(stop_token_ids)
         )
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._compiling: dict[StructuredOutput, Future[Any]] = {}
         self._lock = threading.Lock()
 
     def compile(self, constraint: StructuredOutput) -> Any:
-        """The compiled grammar; InvalidRequestError naming the field and the reason. A
-        constraint being compiled by another thread is waited for, not compiled twice."""
+        """A matcher at the start of the constraint's grammar (copied for each request);
+        InvalidRequestError naming the field and the reason. A constraint being compiled by
+        another thread is waited for, not compiled twice."""
         pending: Future[Any] = Future()
         mine = False
         with self._lock:
@@ -130,8 +191,8 @@ class GrammarCompiler:
             else:
                 try:
                     hit = self._compile(constraint)
-                except (RuntimeError, ValueError, TypeError) as exc:
-                    hit = _refusal(constraint, exc)
+                except InvalidRequestError as exc:
+                    hit = exc
                 except BaseException as exc:
                     with self._lock:
                         del self._compiling[constraint]
@@ -147,65 +208,70 @@ class GrammarCompiler:
             raise hit
         return hit
 
-    def _compile(self, c: StructuredOutput) -> Any:
-        compiler = self._compiler
-        if c.kind == "json_schema":
-            return compiler.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
-        if c.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if c.kind == "regex":
-            return compiler.compile_regex(c.spec)
-        if c.kind == "choice":
-            return compiler.compile_grammar(_choice_grammar(c.choice_list))
-        return compiler.compile_grammar(c.spec)
+    def _compile(self, constraint: StructuredOutput) -> Any:
+        matcher = self._llg.LLMatcher(self._tokenizer, grammar_text(constraint), log_level=0)
+        if matcher.is_error():
+            raise _refusal(constraint, matcher.get_error())
+        return matcher
 
     def matcher(self, constraint: StructuredOutput) -> Matcher:
-        return Matcher(self._xgr.GrammarMatcher(self.compile(constraint)))
+        return Matcher(self.compile(constraint).deep_copy(), self._stop_token_ids)
 
 
 class Matcher:
     """Where one request's output stands in its grammar."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int], ended: bool = False) -> None:
         self._m = matcher
+        self._stops = stop_token_ids
+        self._ended = ended
 
     def accept(self, token_id: int) -> bool:
-        """Advances past a token; False (unchanged) if the grammar does not allow it."""
-        return bool(self._m.accept_token(token_id))
+        """Advances past a token; False if the grammar does not allow it (the matcher then
+        allows nothing more)."""
+        ok = bool(self._m.consume_token(token_id))
+        self._ended = ok and token_id in self._stops
+        return ok
 
     @property
     def terminated(self) -> bool:
-        """A stop token was accepted: nothing may follow."""
-        return bool(self._m.is_terminated())
+        """A stop token was accepted: nothing may follow. (Where the text is complete but no
+        stop token came yet, the stop tokens are all that is allowed.)"""
+        return self._ended
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._m.fill_next_token_bitmask(bitmask, row)
+    def fork(self) -> Matcher:
+        """An independent copy, at the same place."""
+        return Matcher(self._m.deep_copy(), self._stops, self._ended)
 
 
-_batch: Any = None
+_executor: Any = None
+_executor_lock = threading.Lock()
 
 
-def mask_logits(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[Matcher]) -> None:
-    """Sets to -inf, in place, the logits of row rows[i] that matchers[i] does not allow next
-    (rows of terminated matchers are left alone). The masks are filled on xgrammar's threads
-    and applied by its CPU kernel (float32 logits), or by torch."""
-    global _batch
-    import xgrammar as xgr
+def token_bitmask(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
+    """[len(matchers), ceil(vocab / 32)] int32: bit i of word w set where matchers[row] allows
+    token 32w + i next; filled in parallel, outside the GIL."""
+    global _executor
+    if _executor is None:
+        with _executor_lock:
+            if _executor is None:
+                import llguidance as llg
 
-    live = [(r, m) for r, m in zip(rows, matchers, strict=True) if not m.terminated]
-    if not live:
-        return
-    if _batch is None:
-        _batch = xgr.BatchGrammarMatcher(max_threads=GRAMMAR_THREADS)
-    num_rows, vocab = logits.shape
-    bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
-    indices = [r for r, _ in live]
-    _batch.batch_fill_next_token_bitmask([m._m for _, m in live], bitmask, indices=indices)
-    if logits.dtype == torch.float32 and logits.device.type == "cpu":
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
-        return
-    bits = torch.arange(32, dtype=torch.int32)
-    index = torch.tensor(indices, dtype=torch.long)
-    allowed = (bitmask[index].unsqueeze(-1) >> bits) & 1  # [L, words, 32]: token 32w + i
-    allowed = allowed.reshape(len(indices), -1)[:, :vocab].bool().to(logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+                _executor = llg.LLExecutor(num_threads=GRAMMAR_THREADS)
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+    _executor.unsafe_compute_mask_ptr(
+        [(m._m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4, len(matchers)
+    )
+    return bitmask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool from token_bitmask's words."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab]).bool()
+
+
+def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
+    """[len(matchers), vocab] bool: the tokens each matcher allows next."""
+    return unpack_bitmask(token_bitmask(matchers, vocab), vocab)

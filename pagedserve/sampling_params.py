@@ -194,8 +194,6 @@ class SamplingParams:
                 "stop",
                 "stop_token_ids",
                 "min_tokens",
-                "structured",
-                "logit_bias",
             )
             if getattr(self, name) != getattr(defaults, name)
         ]

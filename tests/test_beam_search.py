@@ -4,6 +4,7 @@ on write, under preemption by swap and by recompute, and across a lost worker.""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import time
@@ -26,7 +27,9 @@ from gpu_worker.checkpoint import load_model
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_init import EOS_ID
 from gpu_worker.model_runner import ModelRunner
-from pagedserve.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.grammar import GrammarCompiler, allowed_tokens, vocab_tokenizer
+from pagedserve.model_source import ensure_default_model
+from pagedserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 from tests.procs import ServerProcess
@@ -45,6 +48,7 @@ class Case:
     max_new_tokens: int
     prompt: tuple[int, ...]
     eos_raised: bool  # on the checkpoint whose EOS logit is scaled up: early, uneven finishes
+    structured: StructuredOutput | None = None
 
     def sampling(self, **kw: Any) -> SamplingParams:
         return SamplingParams(
@@ -54,6 +58,7 @@ class Case:
             beam_width=self.width,
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
+            structured=self.structured,
             **kw,
         )
 
@@ -115,7 +120,14 @@ def expected(checkpoints: dict[bool, Path]) -> dict[Case, Result]:
     return out
 
 
-def hf_beam_search(model: Any, case: Case) -> Result:
+def hf_beam_search(
+    model: Any,
+    case: Case,
+    eos: int = EOS_ID,
+    allowed: Callable[[list[int]], list[int]] | None = None,
+) -> Result:
+    """transformers' beam search; `allowed` (the tokens allowed after a generated prefix) as its
+    prefix_allowed_tokens_fn."""
     import transformers
 
     config = transformers.GenerationConfig(
@@ -125,24 +137,34 @@ def hf_beam_search(model: Any, case: Case) -> Result:
         length_penalty=case.length_penalty,
         early_stopping=case.early_stopping,
         max_new_tokens=case.max_new_tokens,
-        eos_token_id=[EOS_ID],
+        eos_token_id=[eos],
         pad_token_id=0,
         output_scores=True,
         return_dict_in_generate=True,
     )
+    fn = None
+    if allowed is not None:
+        fn = lambda _, ids: allowed(ids[len(case.prompt) :].tolist())  # noqa: E731
     with torch.inference_mode():
-        out = model.generate(torch.tensor([case.prompt]), generation_config=config)
+        out = model.generate(
+            torch.tensor([case.prompt]), generation_config=config, prefix_allowed_tokens_fn=fn
+        )
     results: Result = []
     for seq, score in zip(out.sequences, out.sequences_scores, strict=True):
         ids = seq[len(case.prompt) :].tolist()
         reason = "length"
-        if EOS_ID in ids:
-            ids, reason = ids[: ids.index(EOS_ID) + 1], "stop"
+        if eos in ids:
+            ids, reason = ids[: ids.index(eos) + 1], "stop"
         results.append((ids, float(score), reason))
     return results
 
 
-def make_runner(path: Path, num_blocks: int, num_cpu_blocks: int) -> ModelRunner:
+def make_runner(
+    path: Path,
+    num_blocks: int,
+    num_cpu_blocks: int,
+    grammar: Callable[[], GrammarCompiler] | None = None,
+) -> ModelRunner:
     model = load_model(str(path), dtype=torch.float64)
     c = model.config
     geometry = CacheGeometry(
@@ -150,7 +172,10 @@ def make_runner(path: Path, num_blocks: int, num_cpu_blocks: int) -> ModelRunner
     )
     cache = KVCache(geometry, num_blocks, num_cpu_blocks, "cpu")
     return ModelRunner(
-        model, cache, create_backend("torch", cache, c.num_attention_heads, c.head_dim, "cpu")
+        model,
+        cache,
+        create_backend("torch", cache, c.num_attention_heads, c.head_dim, "cpu"),
+        grammar,
     )
 
 
@@ -160,6 +185,7 @@ def run_engine(
     *,
     mode: str = "recompute",
     on_step: Callable[[Scheduler], None] = lambda s: None,
+    eos: int = EOS_ID,
 ) -> tuple[dict[Case, Result], Scheduler]:
     """Every case as one request of one scheduler, plans made a step ahead as the engine loop
     does (async scheduling); the scheduler's integrity is checked after every plan and every
@@ -170,7 +196,7 @@ def run_engine(
         max_num_batched_tokens=512,
         max_model_len=runner.model.config.max_model_len,
         preemption_mode=mode,  # type: ignore[arg-type]
-        eos_token_ids=(EOS_ID,),
+        eos_token_ids=(eos,),
     )
     sched = Scheduler(config, BlockManager(cache.num_gpu_blocks, cache.num_cpu_blocks, BLOCK_SIZE))
     ids = {f"r{i}": case for i, case in enumerate(cases)}
@@ -401,3 +427,75 @@ def test_a_lost_worker_moves_its_beam_groups(
 
     for case, got, ref in zip(cases, outs, want, strict=True):
         assert_same(got, ref, case)
+
+
+SMOLLM2_EOS = 2  # <|im_end|>
+CONSTRAINED = [  # (question, width, n, length_penalty, early_stopping, max_new_tokens, constraint)
+    (
+        "Describe a cat as JSON.",
+        3, 2, 1.0, True, 40,
+        StructuredOutput(
+            "json_schema",
+            json.dumps(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "maxLength": 12},
+                        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+                    },
+                    "required": ["name", "age"],
+                }
+            ),
+        ),
+    ),
+    ("Is the sky blue?", 2, 2, 1.0, True, 8, StructuredOutput.choices(["yes", "no", "maybe"])),
+    (
+        "Give a phone number.",
+        4, 3, 0.5, False, 16,
+        StructuredOutput("regex", r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"),
+    ),
+]  # fmt: skip
+
+
+def test_constrained_beams_equal_transformers() -> None:
+    """Each beam holds its own matcher, forked with the beam; masks apply to the log-softmax,
+    as transformers' prefix_allowed_tokens_fn does (SmolLM2, float64)."""
+    import transformers
+
+    path = ensure_default_model()
+    tokenizer = vocab_tokenizer(path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    vocab = model.config.vocab_size
+    compiler = GrammarCompiler(tokenizer, vocab, (SMOLLM2_EOS,))
+    cases = []
+    for question, width, n, penalty, early, max_new, constraint in CONSTRAINED:
+        prompt = hf_tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        if not isinstance(prompt, list):
+            prompt = prompt["input_ids"]
+        cases.append(Case(width, n, penalty, early, max_new, tuple(prompt), False, constraint))
+
+    def allowed(constraint: StructuredOutput, generated: list[int]) -> list[int]:
+        m = compiler.matcher(constraint)
+        assert all(m.accept(t) for t in generated), generated  # no beam left the grammar
+        return allowed_tokens([m], vocab)[0].nonzero().flatten().tolist()
+
+    expected = {
+        case: hf_beam_search(
+            model,
+            case,
+            SMOLLM2_EOS,
+            lambda ids, c=case.structured: allowed(c, ids),  # type: ignore[misc]
+        )
+        for case in cases
+    }
+    runner = make_runner(path, 256, 0, lambda: compiler)
+    got, _ = run_engine(runner, cases, eos=SMOLLM2_EOS)
+    for case in cases:
+        assert_same(got[case], expected[case], case)
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _, _ in got[case]]
+        assert all(why == "stop" for _, _, why in got[case]), texts
+        if case.structured is not None and case.structured.kind == "choice":
+            assert set(texts) <= {"yes", "no", "maybe"}, texts

@@ -271,3 +271,19 @@ def test_chat_beam_search(http: httpx.Client) -> None:
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert all(c["message"]["role"] == "assistant" for c in out["choices"])
     assert 2 <= out["usage"]["completion_tokens"] <= 12
+
+
+def test_constrained_beam_search(http: httpx.Client) -> None:
+    """A choice constraint and a regex hold on every returned beam."""
+    options = ["alpha", "beta", "gamma"]
+    r = http.post(
+        "/v1/completions",
+        json=completion(**BEAM, n=2, best_of=3, max_tokens=12, guided_choice=options),
+    )
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert len(texts) == 2 and set(texts) <= set(options), texts
+    r = http.post(CHAT, json=chat(**BEAM, n=2, max_tokens=8, guided_regex="[0-9]{3}"))
+    assert r.status_code == 200, r.text
+    texts = [c["message"]["content"] for c in r.json()["choices"]]
+    assert all(len(t) == 3 and t.isdigit() for t in texts), texts

@@ -2,7 +2,7 @@
 and `structured_outputs`, `logit_bias`, `tools` with every `tool_choice`.
 
 Without a model: the tool-call parsers (streamed in any pieces, they give what the whole text
-gives), the `"required"` schema (xgrammar compiles it; its instances are the calls), the
+gives), the `"required"` schema (the grammar library takes it; its instances are the calls), the
 client-schema checks. On the micro random model: every 400, the gateway's and the control
 plane's, naming the field; constrained choices, streamed and not, n > 1; `"auto"` through a
 chat template that renders tools. On SmolLM2 with the official `openai` client: a JSON schema,
@@ -40,8 +40,9 @@ from gateway.tools import (
     merge_calls,
     required_schema,
 )
+from pagedserve import grammar
 from pagedserve.model_source import smollm2_gguf
-from pagedserve.sampling_params import InvalidRequestError, StructuredOutput
+from pagedserve.sampling_params import StructuredOutput
 from pagedserve.wire import sampling_from_proto
 from tests.gateway_stack import GatewayStack, HttpProcess, Processes, shared_gateway_stack
 from tests.procs import ServerProcess
@@ -242,10 +243,8 @@ def test_required_schema_takes_exactly_the_calls() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good, single)
     jsonschema.validate(good[:1], single)
-    # The engine's compiler takes it.
-    StructuredOutput("json_schema", json.dumps(schema))
-    xgr = pytest.importorskip("xgrammar")
-    xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    # The engine's grammar library takes it.
+    grammar.check(StructuredOutput("json_schema", json.dumps(schema)))
 
 
 @pytest.mark.parametrize(
@@ -587,24 +586,6 @@ REFUSED = [
         chat(tools=[WEATHER], tool_choice={"type": "function"}),
         "tool_choice",
     ),
-    Case(
-        "beam search and a constraint",
-        completion(use_beam_search=True, guided_choice=["a"]),
-        "guided_choice",
-        CMPL,
-        "use_beam_search",
-    ),
-    Case(
-        "beam search and logit_bias",
-        chat(use_beam_search=True, logit_bias={"5": 1}),
-        "logit_bias",
-        says="use_beam_search",
-    ),
-    Case(
-        "beam search and tool_choice",
-        chat(use_beam_search=True, tools=[WEATHER], tool_choice="required"),
-        "tool_choice",
-    ),
 ]
 
 # Refused by the control plane (the gateway cannot tell), mapped to 400 naming the field.
@@ -690,16 +671,19 @@ def test_refused_before_the_control_plane(case: Case) -> None:
 
 
 def test_engine_refuses_what_the_gateway_lets_through_to_it() -> None:
-    """The upstream cases pass the gateway's checks; the beam-search ones, past the gateway,
-    the engine refuses too."""
+    """The upstream cases pass the gateway's checks; a constraint, logit_bias and forced tool
+    calls with beam search pass both."""
     for case in UPSTREAM_REFUSED:
         _sampling(ChatCompletionRequest if case.path == CHAT else CompletionRequest, case.body)
-    for body in (completion(guided_choice=["a"]), chat(logit_bias={"5": 1})):
+    for body in (
+        completion(guided_choice=["a"], use_beam_search=True),
+        chat(logit_bias={"5": 1}, use_beam_search=True),
+        chat(use_beam_search=True, tools=[WEATHER], tool_choice="required"),
+    ):
         model = ChatCompletionRequest if "messages" in body else CompletionRequest
         _, s = _sampling(model, body)
         s.beam_width = 2
-        with pytest.raises(InvalidRequestError):
-            sampling_from_proto(s, default_max_tokens=16)
+        sampling_from_proto(s, default_max_tokens=16)
 
 
 def test_openapi_documents_the_fields(http: httpx.Client) -> None:

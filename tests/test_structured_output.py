@@ -62,7 +62,15 @@ def constrained(
 
 @pytest.fixture(scope="module")
 def stack(module_spawn: Callable[..., ServerProcess]) -> Stack:
-    return start_stack(module_spawn, smollm2_gguf(), dtype="float32", num_gpu_blocks=512)
+    # Up to 16 requests of n = 4 at once, each up to 512 tokens: all may wait (the default
+    # limit counts what the pool holds at full length, 14 here, and would answer 429).
+    return start_stack(
+        module_spawn,
+        smollm2_gguf(),
+        dtype="float32",
+        num_gpu_blocks=512,
+        cp_args=("--max-waiting", "64"),
+    )
 
 
 def test_json_schema(stack: Stack) -> None:
@@ -155,7 +163,7 @@ def test_bad_constraints_are_refused(stack: Stack) -> None:
         (common_pb2.StructuredOutput(regex="(("), "regex does not compile"),
         (common_pb2.StructuredOutput(json_schema='{"type": "strin"}'), "json_schema"),
         (common_pb2.StructuredOutput(json_schema="{"), "not valid JSON"),
-        (common_pb2.StructuredOutput(grammar="root ::= "), "grammar"),
+        (common_pb2.StructuredOutput(grammar="root ::= item\n"), "grammar does not compile"),
     ):
         with pytest.raises(grpc.RpcError) as info:
             constrained(stack, "x", c)
