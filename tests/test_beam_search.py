@@ -470,7 +470,7 @@ def test_constrained_beams_equal_transformers() -> None:
     compiler = GrammarCompiler(tokenizer, vocab, (SMOLLM2_EOS,))
     cases = []
     for question, width, n, penalty, early, max_new, constraint in CONSTRAINED:
-        prompt = hf_tok.apply_chat_template(
+        prompt: Any = hf_tok.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
         )
         if not isinstance(prompt, list):
