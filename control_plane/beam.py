@@ -28,6 +28,7 @@ block that several beams now share copies it first (copy-on-write, `reserve_slot
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Literal
 
 import numpy as np
@@ -159,16 +160,17 @@ class BeamGroup:
         assert len(candidates) == len(self.beams), "a candidate list per live beam"
         k, w = self.num_candidates, self.width
         step = self.num_generated + 1  # generated length of this step's sequences
-        pool: list[tuple[np.float32, int, int]] = []
-        for slot, cand in enumerate(candidates):
-            base = self.scores[slot]
-            pool += [
-                (base + np.float32(lp), slot, tok)
-                for tok, lp in zip(cand.top_token_ids, cand.top_logprobs, strict=True)
-            ]
+        sizes = [len(c.top_token_ids) for c in candidates]
+        total = sum(sizes)
+        slots = np.repeat(np.arange(len(candidates)), sizes)
+        ids = np.fromiter(chain.from_iterable(c.top_token_ids for c in candidates), np.int64, total)
+        logprobs = np.fromiter(
+            chain.from_iterable(c.top_logprobs for c in candidates), np.float32, total
+        )
+        scores = np.asarray(self.scores, dtype=np.float32)[slots] + logprobs  # float32 sums
         # Best first; among equal scores the lower (slot, token), as a flat top-k would order.
-        pool.sort(key=lambda c: (-c[0], c[1], c[2]))
-        top = pool[:k]
+        best = np.lexsort((ids, slots, -scores))[:k]
+        top = [(scores[i], int(slots[i]), int(ids[i])) for i in best]
         at_limit = step >= self.max_new_tokens
         hits = [at_limit or tok in self.eos_token_ids for _, _, tok in top]
 

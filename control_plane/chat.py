@@ -46,6 +46,36 @@ def parse_tools(tools_json: str) -> list[dict[str, Any]]:
     return tools
 
 
+def template_message(m: Any) -> dict[str, Any]:
+    """A ChatMessage as chat templates read it: role and content, and where set its name, the
+    tool call it answers (`tool_call_id`) and its tool calls, each call's `arguments` the
+    object its JSON holds (kept as text when it holds no object), as transformers' templates
+    expect."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls_json:
+        try:
+            calls = json.loads(m.tool_calls_json)
+        except ValueError as exc:
+            raise InvalidRequestError(f"tool_calls_json is not valid JSON: {exc}") from None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise InvalidRequestError("tool_calls_json must be a JSON list of objects")
+        for call in calls:
+            function = call.get("function")
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    arguments = json.loads(function["arguments"])
+                except ValueError:
+                    continue
+                if isinstance(arguments, dict):
+                    call["function"] = {**function, "arguments": arguments}
+        out["tool_calls"] = calls
+    return out
+
+
 def render_chat(
     template: str | None,
     messages: list[dict[str, str]],

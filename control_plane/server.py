@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.chat import parse_tools
+from control_plane.chat import parse_tools, template_message
 from control_plane.config import ControlPlaneConfig
 from control_plane.engine import OutputChunk, merge_chunks
 from control_plane.plane import AdmissionError, ControlPlane
@@ -126,7 +126,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         tok = self.cp.tokenizer
         assert tok is not None
         if which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = [template_message(m) for m in request.chat.messages]
             # Special tokens only where the template writes them (any BOS included): special-
             # token text typed in a message is tokenized as the text it is.
             tools = parse_tools(request.chat.tools_json) if request.chat.tools_json else None

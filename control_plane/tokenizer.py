@@ -24,6 +24,8 @@ from pagedserve.sampling_params import InvalidRequestError
 # added token splits the text before normalization (normalized=False) or after it.
 _ANCHOR = "\ufdd0\ufdd1"
 _ANCHOR_NORMALIZED = "\ufdd0\ufdd2"
+# Message fields beside role and content that a chat template may render.
+_EXTRA_FIELDS = ("name", "tool_calls", "tool_call_id")
 
 Span = tuple[int, int]  # [start, end) character offsets into a text
 
@@ -55,6 +57,11 @@ class LoadedTokenizer:
         text = render_chat(self.chat_template, messages, add_generation_prompt, variables)
         if self.special_text_in(m["role"] for m in messages):
             raise InvalidRequestError("a message role must not hold a special token's text")
+        extras = (json.dumps(m[k]) for m in messages for k in _EXTRA_FIELDS if k in m)
+        if self.special_text_in(extras):
+            raise InvalidRequestError(
+                "a message's name, tool calls or tool_call_id must not hold a special token's text"
+            )
         if not self.special_text_in(m["content"] for m in messages):
             return ChatPrompt(text, [])
         assert self.chat_template is not None  # render_chat refuses a model without one

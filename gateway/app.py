@@ -27,7 +27,7 @@ from gateway.protocol import (
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
-    message_texts,
+    message_fields,
     tools_json,
 )
 from gateway.responses import ChatFormat, CompletionFormat, Format
@@ -270,9 +270,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         _beam_search(body, sampling)
         base = pb.GenerateRequest(model=upstream_model, sampling=sampling)
         base.chat.add_generation_prompt = body.add_generation_prompt
-        base.chat.messages.extend(
-            pb.ChatMessage(role=role, content=content) for role, content in body.message_texts()
-        )
+        base.chat.messages.extend(pb.ChatMessage(**m) for m in message_fields(body.messages))
         base.chat.tools_json = body.tools_json()
         choices = expand_choices(base, body.n, 0, rid, True)
         fmt = ChatFormat(
@@ -309,10 +307,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         )
         if body.messages is not None:
             req.chat.add_generation_prompt = body.add_generation_prompt
-            req.chat.messages.extend(
-                pb.ChatMessage(role=role, content=content)
-                for role, content in message_texts(body.messages)
-            )
+            req.chat.messages.extend(pb.ChatMessage(**m) for m in message_fields(body.messages))
             if body.tools:
                 req.chat.tools_json = tools_json(body.tools)
         else:

@@ -459,10 +459,43 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class CalledFunction(_Body):
+    name: Annotated[str, Field(max_length=512)]
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class MessageToolCall(_Body):
+    """A tool call of an earlier assistant turn, sent back with the conversation."""
+
+    id: Annotated[str, Field(max_length=512)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(max_length=4096)] | None = None
     name: Annotated[str, Field(max_length=512)] | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=1024)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=512)] | None = None
+
+
+def message_fields(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Each message as the control plane's ChatMessage takes it: role and text content, and
+    where present its name, tool calls (JSON) and the tool call it answers."""
+    out = []
+    for (role, content), m in zip(message_texts(messages), messages, strict=True):
+        fields = {"role": role, "content": content}
+        if m.name is not None:
+            fields["name"] = m.name
+        if m.tool_calls:
+            fields["tool_calls_json"] = json.dumps(
+                [c.model_dump() for c in m.tool_calls], ensure_ascii=False
+            )
+        if m.tool_call_id is not None:
+            fields["tool_call_id"] = m.tool_call_id
+        out.append(fields)
+    return out
 
 
 def message_texts(messages: list[ChatMessage]) -> list[tuple[str, str]]:

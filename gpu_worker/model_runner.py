@@ -235,7 +235,8 @@ class ModelRunner:
             )
             out.update((s.req_id, t) for s, t in zip(sampled_states, sampled, strict=True))
         if beam:
-            out.update(self._beam_candidates(logits[beam], [states[i] for i in beam]))
+            rows_of_beams = logits if len(beam) == len(states) else logits[beam]
+            out.update(self._beam_candidates(rows_of_beams, [states[i] for i in beam]))
         return {s.req_id: out[s.req_id] for s in states}
 
     def _beam_candidates(

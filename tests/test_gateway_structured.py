@@ -837,6 +837,9 @@ TOOLS_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|system|>\nTools:{% for t in tools %} "
     "{{ t.function.name }}{% endfor %}{{ eos_token }}\n{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for c in message.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% if message.tool_call_id %}[answers {{ message.tool_call_id }}]{% endif %}"
     "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -888,6 +891,38 @@ def test_auto_tool_calls_parsed_from_the_text(tools_gateway: HttpProcess) -> Non
         none = http.post(CHAT, json={**body, "tool_choice": "none"}).json()["choices"][0]
         assert none["message"]["content"] == written and none["finish_reason"] == "stop"
         assert "tool_calls" not in none["message"]
+
+
+def test_a_conversation_carries_its_tool_calls_back(tools_gateway: HttpProcess) -> None:
+    """The next turn after a tool call: the assistant's tool_calls and the tool message's
+    tool_call_id reach the chat template, each call's arguments as the object they hold."""
+    arguments = json.dumps({"timezone": "CET"})
+    messages = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_7",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_7", "content": "12:00"},
+    ]
+    with httpx.Client(base_url=tools_gateway.url, timeout=120) as http:
+        shown = http.post("/tokenize", json={"messages": messages, "tools": [TIME]})
+        assert shown.status_code == 200, shown.text
+        text = http.post("/detokenize", json={"tokens": shown.json()["tokens"]}).json()["prompt"]
+        assert '[call call_7 get_time {"timezone": "CET"}]' in text, text
+        assert "12:00[answers call_7]" in text, text
+        r = http.post(CHAT, json={"messages": messages, "tools": [TIME], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        bad = [*messages[:1], {**messages[1], "tool_calls": [{"id": "x"}]}]
+        r = http.post(CHAT, json={"messages": bad, "max_tokens": 4})
+        assert r.status_code == 400 and "tool_calls" in r.json()["error"]["param"], r.text
 
 
 # -- SmolLM2 through the official openai client ------------------------------------------------

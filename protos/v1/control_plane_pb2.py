@@ -25,49 +25,49 @@ _sym_db = _symbol_database.Default()
 from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/v1/control_plane.proto\x12\rpagedserve.v1\x1a\x16protos/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8c\x01\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\xd4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.ChatPromptH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12.\n\x0boutput_kind\x18\t \x01(\x0e\x32\x19.pagedserve.v1.OutputKindB\x08\n\x06promptB\x15\n\x13_add_special_tokens\"\x98\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x01\x12\x1a\n\rstop_token_id\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0esequence_score\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x35\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobsB\x10\n\x0e_stop_token_idB\x11\n\x0f_sequence_score\"\xb8\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.pagedserve.v1.ChatPromptH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"X\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.ModelInfo\"\x0e\n\x0cStatsRequest\"\xb7\x06\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x1b\n\x13num_free_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\t \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12!\n\x19num_recompute_preemptions\x18\x0b \x01(\x04\x12\x1c\n\x14num_swap_preemptions\x18\x0c \x01(\x04\x12!\n\x19num_chunked_prefill_steps\x18\r \x01(\x04\x12\x11\n\tnum_steps\x18\x0e \x01(\x04\x12\"\n\x1anum_prompt_tokens_computed\x18\x0f \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x10 \x01(\x04\x12\x0f\n\x07healthy\x18\x11 \x01(\x08\x12\r\n\x05\x65poch\x18\x12 \x01(\x04\x12\x1e\n\x16num_blocks_swapped_out\x18\x13 \x01(\x04\x12\x1d\n\x15num_blocks_swapped_in\x18\x14 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x15 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x16 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x17 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x18 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x19 \x01(\x04\x12\x1a\n\x12num_gpu_block_refs\x18\x1a \x01(\x04\x12\x11\n\tnum_forks\x18\x1b \x01(\x04\x12\x19\n\x11num_copied_blocks\x18\x1c \x01(\x04\x12\r\n\x05\x64type\x18\x1d \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1e \x01(\t\x12\x1c\n\x14peak_used_gpu_blocks\x18\x1f \x01(\r\"\xf6\x03\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1d\n\x15num_requests_finished\x18\x06 \x01(\x04\x12\x1c\n\x14num_requests_aborted\x18\x07 \x01(\x04\x12!\n\x19num_chunked_prefill_steps\x18\x08 \x01(\x04\x12+\n\x07workers\x18\t \x03(\x0b\x32\x1a.pagedserve.v1.WorkerStats\x12\x13\n\x0bnum_pending\x18\n \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\r \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0e \x01(\x04\x12\x1e\n\x16prefix_index_available\x18\x0f \x01(\x08\x12\"\n\x1anum_routed_with_prefix_hit\x18\x10 \x01(\x04\x12\x12\n\nnum_routed\x18\x11 \x01(\x04*?\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x01\x32\xd8\x03\n\x0c\x43ontrolPlane\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponse\x12\x42\n\x05Stats\x12\x1b.pagedserve.v1.StatsRequest\x1a\x1c.pagedserve.v1.StatsResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/v1/control_plane.proto\x12\rpagedserve.v1\x1a\x16protos/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x8c\x01\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\xd4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.ChatPromptH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12.\n\x0boutput_kind\x18\t \x01(\x0e\x32\x19.pagedserve.v1.OutputKindB\x08\n\x06promptB\x15\n\x13_add_special_tokens\"\x98\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x01\x12\x1a\n\rstop_token_id\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0esequence_score\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x35\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobsB\x10\n\x0e_stop_token_idB\x11\n\x0f_sequence_score\"\xb8\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.pagedserve.v1.ChatPromptH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"X\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.ModelInfo\"\x0e\n\x0cStatsRequest\"\xb7\x06\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x1b\n\x13num_free_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\t \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12!\n\x19num_recompute_preemptions\x18\x0b \x01(\x04\x12\x1c\n\x14num_swap_preemptions\x18\x0c \x01(\x04\x12!\n\x19num_chunked_prefill_steps\x18\r \x01(\x04\x12\x11\n\tnum_steps\x18\x0e \x01(\x04\x12\"\n\x1anum_prompt_tokens_computed\x18\x0f \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x10 \x01(\x04\x12\x0f\n\x07healthy\x18\x11 \x01(\x08\x12\r\n\x05\x65poch\x18\x12 \x01(\x04\x12\x1e\n\x16num_blocks_swapped_out\x18\x13 \x01(\x04\x12\x1d\n\x15num_blocks_swapped_in\x18\x14 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x15 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x16 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x17 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x18 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x19 \x01(\x04\x12\x1a\n\x12num_gpu_block_refs\x18\x1a \x01(\x04\x12\x11\n\tnum_forks\x18\x1b \x01(\x04\x12\x19\n\x11num_copied_blocks\x18\x1c \x01(\x04\x12\r\n\x05\x64type\x18\x1d \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1e \x01(\t\x12\x1c\n\x14peak_used_gpu_blocks\x18\x1f \x01(\r\"\xf6\x03\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1d\n\x15num_requests_finished\x18\x06 \x01(\x04\x12\x1c\n\x14num_requests_aborted\x18\x07 \x01(\x04\x12!\n\x19num_chunked_prefill_steps\x18\x08 \x01(\x04\x12+\n\x07workers\x18\t \x03(\x0b\x32\x1a.pagedserve.v1.WorkerStats\x12\x13\n\x0bnum_pending\x18\n \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\r \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0e \x01(\x04\x12\x1e\n\x16prefix_index_available\x18\x0f \x01(\x08\x12\"\n\x1anum_routed_with_prefix_hit\x18\x10 \x01(\x04\x12\x12\n\nnum_routed\x18\x11 \x01(\x04*?\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x01\x32\xd8\x03\n\x0c\x43ontrolPlane\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponse\x12\x42\n\x05Stats\x12\x1b.pagedserve.v1.StatsRequest\x1a\x1c.pagedserve.v1.StatsResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.v1.control_plane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTKIND']._serialized_start=2990
-  _globals['_OUTPUTKIND']._serialized_end=3053
+  _globals['_OUTPUTKIND']._serialized_start=3051
+  _globals['_OUTPUTKIND']._serialized_end=3114
   _globals['_TOKENIDS']._serialized_start=72
   _globals['_TOKENIDS']._serialized_end=95
   _globals['_CHATMESSAGE']._serialized_start=97
-  _globals['_CHATMESSAGE']._serialized_end=141
-  _globals['_CHATPROMPT']._serialized_start=144
-  _globals['_CHATPROMPT']._serialized_end=284
-  _globals['_GENERATEREQUEST']._serialized_start=287
-  _globals['_GENERATEREQUEST']._serialized_end=627
-  _globals['_GENERATERESPONSE']._serialized_start=630
-  _globals['_GENERATERESPONSE']._serialized_end=1038
-  _globals['_TOKENIZEREQUEST']._serialized_start=1041
-  _globals['_TOKENIZEREQUEST']._serialized_end=1225
-  _globals['_TOKENIZERESPONSE']._serialized_start=1227
-  _globals['_TOKENIZERESPONSE']._serialized_end=1307
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1309
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1362
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1364
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1398
-  _globals['_ABORTREQUEST']._serialized_start=1400
-  _globals['_ABORTREQUEST']._serialized_end=1434
-  _globals['_ABORTRESPONSE']._serialized_start=1436
-  _globals['_ABORTRESPONSE']._serialized_end=1466
-  _globals['_LISTMODELSREQUEST']._serialized_start=1468
-  _globals['_LISTMODELSREQUEST']._serialized_end=1487
-  _globals['_MODELINFO']._serialized_start=1489
-  _globals['_MODELINFO']._serialized_end=1577
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1579
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1641
-  _globals['_STATSREQUEST']._serialized_start=1643
-  _globals['_STATSREQUEST']._serialized_end=1657
-  _globals['_WORKERSTATS']._serialized_start=1660
-  _globals['_WORKERSTATS']._serialized_end=2483
-  _globals['_STATSRESPONSE']._serialized_start=2486
-  _globals['_STATSRESPONSE']._serialized_end=2988
-  _globals['_CONTROLPLANE']._serialized_start=3056
-  _globals['_CONTROLPLANE']._serialized_end=3528
+  _globals['_CHATMESSAGE']._serialized_end=202
+  _globals['_CHATPROMPT']._serialized_start=205
+  _globals['_CHATPROMPT']._serialized_end=345
+  _globals['_GENERATEREQUEST']._serialized_start=348
+  _globals['_GENERATEREQUEST']._serialized_end=688
+  _globals['_GENERATERESPONSE']._serialized_start=691
+  _globals['_GENERATERESPONSE']._serialized_end=1099
+  _globals['_TOKENIZEREQUEST']._serialized_start=1102
+  _globals['_TOKENIZEREQUEST']._serialized_end=1286
+  _globals['_TOKENIZERESPONSE']._serialized_start=1288
+  _globals['_TOKENIZERESPONSE']._serialized_end=1368
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1370
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1423
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1425
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1459
+  _globals['_ABORTREQUEST']._serialized_start=1461
+  _globals['_ABORTREQUEST']._serialized_end=1495
+  _globals['_ABORTRESPONSE']._serialized_start=1497
+  _globals['_ABORTRESPONSE']._serialized_end=1527
+  _globals['_LISTMODELSREQUEST']._serialized_start=1529
+  _globals['_LISTMODELSREQUEST']._serialized_end=1548
+  _globals['_MODELINFO']._serialized_start=1550
+  _globals['_MODELINFO']._serialized_end=1638
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1640
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1702
+  _globals['_STATSREQUEST']._serialized_start=1704
+  _globals['_STATSREQUEST']._serialized_end=1718
+  _globals['_WORKERSTATS']._serialized_start=1721
+  _globals['_WORKERSTATS']._serialized_end=2544
+  _globals['_STATSRESPONSE']._serialized_start=2547
+  _globals['_STATSRESPONSE']._serialized_end=3049
+  _globals['_CONTROLPLANE']._serialized_start=3117
+  _globals['_CONTROLPLANE']._serialized_end=3589
 # @@protoc_insertion_point(module_scope)
