@@ -11,8 +11,9 @@ arrives (each process caches by constraint, a refusal too). JSON schemas compile
 separators and no free whitespace, so a model cannot wander into endless blanks; generation
 is narrower than what the schema validates in three more ways, each so that a small model
 cannot wander either: an object that does not say otherwise admits no properties beyond those
-it lists (as OpenAI's strict mode), a string `pattern` is matched whole, and a number has at
-most six digits after the point. The stop tokens are the model's EOS ids: the mask allows
+it lists (as OpenAI's strict mode), a string `pattern` is matched whole, a number has at
+most six digits after the point, and a `date` or `date-time` skips February 29 (a grammar
+cannot tell leap years). The stop tokens are the model's EOS ids: the mask allows
 them exactly where the text is complete, so a constrained output ends with EOS there (or at
 max_tokens).
 """
@@ -49,6 +50,21 @@ _JSON_OPTIONS: Any = {"whitespace_flexible": False}
 # Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
 # A generated number is a multiple of this: at most six digits after the point, no exponent.
 NUMBER_STEP = 1e-6
+# RFC 3339 dates of years 1000-9999 without the leap day (a regex cannot tell leap years), and
+# date-times with at most six fraction digits: each a subset of its format, so every match
+# validates.
+_DAY = (
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+    "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+_DATE = f"[1-9][0-9]{{3}}-{_DAY}"
+_DATE_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "date-time": (
+        f"^{_DATE}T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{{1,6}})?"
+        "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])$"
+    ),
+}
 _SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
               "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
@@ -96,6 +112,8 @@ def _strict(schema: Any) -> Any:
     if (is_object or "properties" in out) and "additionalProperties" not in out:
         if "patternProperties" not in out and "unevaluatedProperties" not in out:
             out["additionalProperties"] = False
+    if out.get("format") in _DATE_PATTERNS and "pattern" not in out:
+        out["pattern"] = _DATE_PATTERNS[out.pop("format")]
     if isinstance(out.get("pattern"), str):
         out["pattern"] = _anchor(out["pattern"])
     kinds: list[Any] = out["type"] if isinstance(out.get("type"), list) else [out.get("type")]
