@@ -9,7 +9,7 @@ vocabulary, so that one that does not compile is refused (INVALID_ARGUMENT) befo
 a worker, and the worker builds a matcher over its vocabulary when a constrained request first
 arrives (each process caches by constraint, a refusal too). JSON schemas compile with compact
 separators and no free whitespace, so a model cannot wander into endless blanks; generation
-is narrower than what the schema validates in three more ways, each so that a small model
+is narrower than what the schema validates in four more ways, each so that a small model
 cannot wander either: an object that does not say otherwise admits no properties beyond those
 it lists (as OpenAI's strict mode), a string `pattern` is matched whole, a number has at
 most six digits after the point, and a `date` or `date-time` skips February 29 (a grammar
