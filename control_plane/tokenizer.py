@@ -57,7 +57,9 @@ class LoadedTokenizer:
         text = render_chat(self.chat_template, messages, add_generation_prompt, variables)
         if self.special_text_in(m["role"] for m in messages):
             raise InvalidRequestError("a message role must not hold a special token's text")
-        extras = (json.dumps(m[k]) for m in messages for k in _EXTRA_FIELDS if k in m)
+        extras = (
+            json.dumps(m[k], ensure_ascii=False) for m in messages for k in _EXTRA_FIELDS if k in m
+        )
         if self.special_text_in(extras):
             raise InvalidRequestError(
                 "a message's name, tool calls or tool_call_id must not hold a special token's text"
