@@ -47,8 +47,13 @@ PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 SILENT_UNHEALTHY_S = 3.0
 # A step result is overdue (the worker answers probes but its model thread is stuck) after
-# the failover timeout, or this many times its recent slowest step if that is longer.
+# the failover timeout, or this many times what the step should take if that is longer: the
+# recent slowest step, or the plans' tokens at the recent slowest time per token (a worker
+# handed other workers' requests replays their tokens in steps far larger than its last).
 STEP_DEADLINE_FACTOR = 10.0
+# Before a worker has returned a step there is nothing to scale from: its first step (which
+# may replay a lost worker's requests, or warm kernels) may take this long.
+UNMEASURED_STEP_S = 30.0
 
 
 @dataclass
@@ -209,6 +214,7 @@ class EngineLoop:
         self._last_answer = time.monotonic()  # a probe answered or a step result arrived
         self._waiting_since = time.monotonic()  # the oldest plan in flight has waited since
         self._step_s = 0.0  # the worker's recent slowest step (a decaying maximum)
+        self._token_s = 0.0  # its recent slowest time per scheduled token (the same)
         self._recovering = False  # the worker was lost; the run loop waits for it to answer
         self._silent = False  # out of placement for silence alone, not lost yet
         self._lost: tuple[str, bool] | None = None  # (why, hand off at once), for the run loop
@@ -339,7 +345,7 @@ class EngineLoop:
             probe = await self.client.probe(PROBE_TIMEOUT_S)
             now = time.monotonic()
             waited = now - self._waiting_since
-            deadline = max(self.failover_after_s, STEP_DEADLINE_FACTOR * self._step_s)
+            deadline = max(self.failover_after_s, STEP_DEADLINE_FACTOR * self._expected_step_s())
             if self._in_flight and not self._recovering and waited >= deadline:
                 self._lose(f"no step result for {waited:.1f} s", hand_off_now=True)
                 continue
@@ -361,6 +367,12 @@ class EngineLoop:
                 self._silent = True
                 self.healthy = False
                 log.warning("worker_silent", worker=self.client.address, silent_s=silent_s)
+
+    def _expected_step_s(self) -> float:
+        if self._step_s == 0.0:
+            return UNMEASURED_STEP_S
+        tokens = sum(p.total_num_scheduled_tokens for p in self._in_flight)
+        return max(self._step_s, tokens * self._token_s)
 
     def _lose(self, why: str, hand_off_now: bool) -> None:
         """Gives the worker up: the run loop moves its requests (after the failover wait for a
@@ -452,6 +464,8 @@ class EngineLoop:
         result = await self.client.receive(plan)
         self._last_answer = self._waiting_since = time.monotonic()
         self._step_s = max(result.total_time_s, 0.9 * self._step_s)
+        per_token = result.total_time_s / max(1, plan.total_num_scheduled_tokens)
+        self._token_s = max(per_token, 0.9 * self._token_s)
         self._in_flight.popleft()
         self.counters.num_steps += 1
         if result.prompt_logprobs:
