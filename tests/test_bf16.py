@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from gpu_worker.models import fused_ops
-from pagedserve.model_source import smollm2_gguf
+from pagedserve.model_source import ensure_default_model
 from tests.oracle import hf_greedy_top, hf_model
 from tests.procs import ServerProcess
 from tests.stack import Stack, generate, start_stack
@@ -90,9 +90,10 @@ def test_random_presets_close_to_transformers_bf16(
 
 
 def test_smollm2_close_to_transformers_bf16(spawn: Callable[..., ServerProcess]) -> None:
-    """The real model read from its GGUF file by both: transformers dequantizes it to bf16."""
-    gguf = smollm2_gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    """The real model, converted from its GGUF file (tests/test_smollm2.py holds the conversion
+    to transformers' own reading of the file), in bf16 on both sides."""
+    model = ensure_default_model()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     from pagedserve.bench.chat_prompts import CHAT_PROMPTS
 
     prompts = []
@@ -100,8 +101,8 @@ def test_smollm2_close_to_transformers_bf16(spawn: Callable[..., ServerProcess])
         messages = [{"role": "user", "content": text}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    theirs = hf_greedy_top(hf_model(gguf.parent, gguf.name, torch.bfloat16), prompts, 24, TOP)
-    stack = start_stack(spawn, gguf, dtype="bfloat16")
+    theirs = hf_greedy_top(hf_model(model, dtype=torch.bfloat16), prompts, 24, TOP)
+    stack = start_stack(spawn, model, dtype="bfloat16")
     # In bf16 greedy paths part early on this small model, transformers' own included (its bf16
     # and float32 answers to these prompts first differ at tokens 5 to 29): only the rule holds.
     check_logprobs_close(ours_greedy_top(stack, prompts, 24), theirs, "smollm2 ours/hf")

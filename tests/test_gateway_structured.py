@@ -41,7 +41,7 @@ from gateway.tools import (
     required_schema,
 )
 from pagedserve import grammar
-from pagedserve.model_source import smollm2_gguf
+from pagedserve.model_source import ensure_default_model
 from pagedserve.sampling_params import StructuredOutput
 from pagedserve.wire import sampling_from_proto
 from tests.gateway_stack import GatewayStack, HttpProcess, Processes, shared_gateway_stack
@@ -932,7 +932,7 @@ def test_a_conversation_carries_its_tool_calls_back(tools_gateway: HttpProcess) 
 def smol(module_spawn: Callable[..., ServerProcess]) -> Iterator[OpenAI]:
     stack = start_stack(
         module_spawn,
-        smollm2_gguf(),
+        ensure_default_model(),
         dtype="float32",
         num_gpu_blocks=128,
         worker_args=("--warmup-batch-size", "0"),

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pagedserve.model_source import smollm2_gguf
+from pagedserve.model_source import ensure_default_model, smollm2_gguf
 from tests.conftest import MICRO
 from tests.oracle import hf_greedy
 from tests.procs import ServerProcess
@@ -96,13 +96,13 @@ def test_tp2_under_pressure(
 
 def test_smollm2_tp3_equals_tp1(spawn: Callable[..., ServerProcess]) -> None:
     """SmolLM2's 9 heads and 3 KV heads split over 3 ranks."""
-    gguf = smollm2_gguf()
+    model = ensure_default_model()  # safetensors: each rank reads only its slices
     prompts = _prompts(4, 3, 10, 30)
-    one = start_stack(spawn, gguf, dtype="float64", num_gpu_blocks=128)
+    one = start_stack(spawn, model, dtype="float64", num_gpu_blocks=128)
     expected = _run_all(one, prompts, 16)
     three = start_stack(
         spawn,
-        gguf,
+        model,
         dtype="float64",
         num_gpu_blocks=128,
         worker_args=("--tensor-parallel-size", "3"),

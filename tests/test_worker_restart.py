@@ -93,5 +93,10 @@ def test_worker_restart_while_idle(spawn: Callable[..., ServerProcess], micro_ll
         *worker_cli_args(micro_llama, port, 256, 256, "float32"),
         ready_address=stack.worker.address,
     )
+    # Until the control plane has reconnected, a request is refused at once (UNAVAILABLE).
+    deadline = time.monotonic() + 30
+    while not stack.stats().workers[0].healthy:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     again = generate(stack.stub, [5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
     assert again.token_ids == first.token_ids
