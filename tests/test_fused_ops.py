@@ -1,6 +1,7 @@
-"""The fused bf16 elementwise ops (gpu_worker/models/csrc/fused_ops_cpu.c) against float64
-references: each computes in float32 and rounds once, so every output lies within one bf16
-rounding of the exact value; and against torch's bf16 ops, the path they replace."""
+"""The fused elementwise ops (gpu_worker/models/csrc/fused_ops_cpu.c) against float64
+references: each computes in float32 and (in bf16) rounds once, so every bf16 output lies
+within one bf16 rounding of the exact value and every float32 one within a few float32 ulps;
+and against torch's ops in the same dtype, the path they replace."""
 
 from __future__ import annotations
 
@@ -8,85 +9,99 @@ import pytest
 import torch
 
 from gpu_worker.models import fused_ops
-from gpu_worker.models.fused_ops import FusedBf16Ops, TorchOps
+from gpu_worker.models.fused_ops import FusedCpuOps, TorchOps
 from gpu_worker.models.rope import apply_rotary, cos_sin_table, inv_frequencies
 
 lib = fused_ops.load()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler here")
 BF16 = torch.bfloat16
+DTYPES = pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "f32"])
 
 
-def _ops() -> FusedBf16Ops:
+def _ops(dtype: torch.dtype = BF16) -> FusedCpuOps:
     assert lib is not None
-    return FusedBf16Ops(lib)
+    return FusedCpuOps(lib, dtype)
 
 
-def _within_one_rounding(got: torch.Tensor, exact: torch.Tensor) -> None:
-    """|got - exact| <= one bf16 ulp of exact (float32 arithmetic adds far less than that)."""
-    assert got.dtype == BF16
-    ulp = exact.abs().clamp_min(1e-30) * 2.0**-7
+def _within_one_rounding(got: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor) -> None:
+    """bf16: |got - exact| <= one bf16 ulp of `scale` (float32 arithmetic adds far less than
+    that); float32: within 8 float32 ulps of it (a handful of float32 operations)."""
+    ulp = 2.0**-7 if got.dtype == BF16 else 8 * 2.0**-23
+    bound = scale.abs().clamp_min(1e-30) * ulp
     err = (got.double() - exact).abs()
-    assert bool((err <= ulp).all()), f"worst error {float((err / ulp).max()):.2f} ulp"
+    assert bool((err <= bound).all()), f"worst error {float((err / bound).max()):.2f} ulp"
 
 
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 3, 64, 200])  # 200 x 576 crosses the threads' threshold
 @pytest.mark.parametrize("hidden", [576, 72])  # 72: a tail after the 16-wide vectors
-def test_add_rms_norm(rows: int, hidden: int) -> None:
+def test_add_rms_norm(rows: int, hidden: int, dtype: torch.dtype) -> None:
     torch.manual_seed(rows + hidden)
-    h = (torch.randn(rows, hidden) * 3).to(BF16)
-    delta = torch.randn(rows, hidden).to(BF16)
-    weight = (1 + 0.1 * torch.randn(hidden)).to(BF16)
+    h = (torch.randn(rows, hidden) * 3).to(dtype)
+    delta = torch.randn(rows, hidden).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
     eps = 1e-5
 
-    summed = (h.float() + delta.float()).to(BF16)  # torch's bf16 add: exact sum, rounded
-    h_out, x = _ops().add_rms_norm(h.clone(), delta, weight, eps)
-    assert torch.equal(h_out, summed)
+    summed = h + delta  # torch's add: the exact sum, rounded once
+    h_out, x = _ops(dtype).add_rms_norm(h.clone(), delta, weight, eps)
+    assert x.dtype == dtype and torch.equal(h_out, summed)
     s = summed.double()
     exact = s / (s.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight.double()
-    _within_one_rounding(x, exact)
+    _within_one_rounding(x, exact, exact)
 
-    h_alone, x_alone = _ops().add_rms_norm(summed.clone(), None, weight, eps)
+    h_alone, x_alone = _ops(dtype).add_rms_norm(summed.clone(), None, weight, eps)
     assert torch.equal(h_alone, summed) and torch.equal(x_alone, x)
     torch.testing.assert_close(x, TorchOps().add_rms_norm(h, delta, weight, eps)[1])
 
 
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("inter", [1536, 40])
-def test_silu_mul(rows: int, inter: int) -> None:
+def test_silu_mul(rows: int, inter: int, dtype: torch.dtype) -> None:
     torch.manual_seed(rows * inter)
-    gate_up = (torch.randn(rows, 2 * inter) * 4).to(BF16)
+    gate_up = (torch.randn(rows, 2 * inter) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([0.0, -90.0, 90.0, -1e-3])  # zero, flushed, saturated, tiny
-    got = _ops().silu_mul(gate_up)
+    got = _ops(dtype).silu_mul(gate_up)
     g, u = gate_up.double().chunk(2, dim=-1)
     exact = g * torch.sigmoid(g) * u
-    _within_one_rounding(got, exact)
+    # float32: exp's own error is a few ulps of silu(g), then scaled by up.
+    _within_one_rounding(got, exact, exact if dtype == BF16 else (g * u).abs() + 1e-30)
     torch.testing.assert_close(got, TorchOps().silu_mul(gate_up), rtol=0.02, atol=1e-2)
 
 
-def test_nan_stays_nan() -> None:
-    gate_up = torch.randn(2, 64).to(BF16)
+@DTYPES
+def test_nan_stays_nan(dtype: torch.dtype) -> None:
+    gate_up = torch.randn(2, 64).to(dtype)
     gate_up[1, 3] = float("nan")
-    out = _ops().silu_mul(gate_up)
+    out = _ops(dtype).silu_mul(gate_up)
     assert bool(out[1, 3].isnan()) and not bool(out[0].isnan().any())
 
 
+@DTYPES
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_rope_in_place_on_a_strided_view(head_dim: int) -> None:
+def test_rope_in_place_on_a_strided_view(head_dim: int, dtype: torch.dtype) -> None:
     """q|k heads of a fused qkv row are rotated in place; v's heads are not touched."""
     torch.manual_seed(head_dim)
     tokens, heads, kv = 9, 6, 2
-    table = cos_sin_table(inv_frequencies(head_dim, 10000.0), 512, BF16)
+    table = cos_sin_table(inv_frequencies(head_dim, 10000.0), 512, dtype)
     positions = torch.tensor([0, 1, 2, 100, 511, 7, 7, 300, 64])
-    qkv = torch.randn(tokens, heads + 2 * kv, head_dim).to(BF16)
+    qkv = torch.randn(tokens, heads + 2 * kv, head_dim).to(dtype)
     before = qkv.clone()
     qk = qkv[:, : heads + kv]
-    ops = _ops()
+    ops = _ops(dtype)
     assert ops.rotate(qk, ops.rope_for(positions, table)) is qk
     assert torch.equal(qkv[:, heads + kv :], before[:, heads + kv :])
     half = head_dim // 2
     cs = table[positions].unsqueeze(1).double()
-    exact = apply_rotary(before[:, : heads + kv].double(), cs[..., :half], cs[..., half:])
-    _within_one_rounding(qkv[:, : heads + kv], exact)
+    x = before[:, : heads + kv].double()
+    exact = apply_rotary(x, cs[..., :half], cs[..., half:])
+    # float32: two products and a sum, each within an ulp of the inputs' magnitude.
+    scale = exact if dtype == BF16 else x.abs() + x.roll(half, -1).abs()
+    _within_one_rounding(qkv[:, : heads + kv], exact, scale)
+    if dtype == torch.float32:  # torch's bf16 rope rounds after every op: not comparable
+        torch_ops = TorchOps()
+        theirs = torch_ops.rotate(before[:, : heads + kv], torch_ops.rope_for(positions, table))
+        torch.testing.assert_close(qkv[:, : heads + kv], theirs)
 
 
 def test_rope_refuses_positions_outside_the_table() -> None:
@@ -95,10 +110,10 @@ def test_rope_refuses_positions_outside_the_table() -> None:
         _ops().rope_for(torch.tensor([3, 16]), table)
 
 
-def test_chosen_for_bf16_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chosen_for_bf16_and_float32_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert isinstance(fused_ops.ops_for(BF16, cpu), FusedBf16Ops)
-    for dtype in (torch.float32, torch.float64):
-        assert type(fused_ops.ops_for(dtype, cpu)) is TorchOps
+    assert fused_ops.ops_for(BF16, cpu).name == "fused-bf16"
+    assert fused_ops.ops_for(torch.float32, cpu).name == "fused-f32"
+    assert type(fused_ops.ops_for(torch.float64, cpu)) is TorchOps  # the oracle's dtype
     monkeypatch.setenv("PAGEDSERVE_CPU_FUSED_OPS", "0")
     assert type(fused_ops.ops_for(BF16, cpu)) is TorchOps

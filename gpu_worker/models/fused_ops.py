@@ -1,9 +1,10 @@
-"""The decoder's elementwise steps, in torch or, for bfloat16 on a CPU, fused in C.
+"""The decoder's elementwise steps, in torch or, for bfloat16 and float32 on a CPU, fused in C.
 
-`TorchOps` is the reference: the same torch ops for every dtype (float32 and float64 keep it).
-`FusedBf16Ops` runs `csrc/fused_ops_cpu.c`: each step one pass over memory in float32,
-rounded once to bf16, where torch's bf16 ops widen, compute and round per op (a residual add
-and RMSNorm, 7 ops in torch; SiLU-and-multiply, 2; RoPE, 7). Both follow one interface:
+`TorchOps` is the reference: the same torch ops for every dtype (float64 keeps it).
+`FusedCpuOps` runs `csrc/fused_ops_cpu.c`: each step one pass over memory computing in
+float32 (a residual add and RMSNorm, 7 ops in torch; SiLU-and-multiply, 2; RoPE, 7), in bf16
+rounded once where torch's bf16 ops widen, compute and round per op. Both follow one
+interface:
 
     h, x = ops.add_rms_norm(h, delta, weight, eps)   h (+ delta), and its normed copy
     act = ops.silu_mul(gate_up)                       silu(gate) * up
@@ -54,24 +55,29 @@ class TorchOps:
         return apply_rotary(qk, cos, sin)
 
 
-class FusedBf16Ops(TorchOps):
-    """bf16 tensors on the CPU; `lib` is the built `fused_ops_cpu.c`."""
+class FusedCpuOps(TorchOps):
+    """bf16 or float32 tensors on the CPU; `lib` is the built `fused_ops_cpu.c`."""
 
-    name = "fused-bf16"
+    SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        suffix = self.SUFFIXES[dtype]
+        self.name = f"fused-{suffix}"
+        self.dtype = dtype
+        self._add_rms_norm = getattr(lib, f"add_rms_norm_{suffix}")
+        self._silu_mul = getattr(lib, f"silu_mul_{suffix}")
+        self._rope = getattr(lib, f"rope_{suffix}")
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert h.dtype == weight.dtype == torch.bfloat16 and h.is_contiguous()
+        assert h.dtype == weight.dtype == self.dtype and h.is_contiguous()
         if delta is not None:
-            assert delta.dtype == torch.bfloat16 and delta.shape == h.shape
+            assert delta.dtype == self.dtype and delta.shape == h.shape
             delta = delta.contiguous()
         out = torch.empty_like(h)
         rows, hidden = h.shape
-        self.lib.add_rms_norm_bf16(
+        self._add_rms_norm(
             h.data_ptr(),
             None if delta is None else delta.data_ptr(),
             weight.data_ptr(),
@@ -84,16 +90,16 @@ class FusedBf16Ops(TorchOps):
         return h, out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        assert gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous()
+        assert gate_up.dtype == self.dtype and gate_up.is_contiguous()
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        self.lib.silu_mul_bf16(
+        self._silu_mul(
             gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
         )
         return out
 
     def rope_for(self, positions: torch.Tensor, table: torch.Tensor) -> Any:
-        assert table.dtype == torch.bfloat16 and table.is_contiguous()
+        assert table.dtype == self.dtype and table.is_contiguous()
         positions = positions.to(torch.int64).contiguous()
         if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < len(table):
             raise IndexError(f"positions must lie in [0, {len(table)})")
@@ -102,9 +108,9 @@ class FusedBf16Ops(TorchOps):
     def rotate(self, qk: torch.Tensor, rope: Any) -> torch.Tensor:
         positions, table = rope
         tokens, heads, dim = qk.shape
-        assert qk.dtype == torch.bfloat16 and qk.stride(2) == 1 and qk.stride(1) == dim
+        assert qk.dtype == self.dtype and qk.stride(2) == 1 and qk.stride(1) == dim
         assert table.shape[1] == dim and positions.shape[0] == tokens
-        self.lib.rope_bf16(
+        self._rope(
             qk.data_ptr(),
             qk.stride(0),
             positions.data_ptr(),
@@ -122,22 +128,27 @@ def load() -> ctypes.CDLL | None:
     lib = cpu_kernels.load(SOURCE)
     if lib is not None:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i64, i32, f32, i32]
-        lib.silu_mul_bf16.argtypes = [p, p, i64, i32, i32]
-        lib.rope_bf16.argtypes = [p, i64, p, i64, i32, i32, p, i32]
-        for fn in (lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.rope_bf16):
-            fn.restype = None
+        for suffix in FusedCpuOps.SUFFIXES.values():
+            for name, argtypes in (
+                ("add_rms_norm", [p, p, p, p, i64, i32, f32, i32]),
+                ("silu_mul", [p, p, i64, i32, i32]),
+                ("rope", [p, i64, p, i64, i32, i32, p, i32]),
+            ):
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes = argtypes
+                fn.restype = None
     return lib
 
 
 def ops_for(dtype: torch.dtype, device: torch.device) -> TorchOps:
-    """The fused ops for bf16 on a CPU where they build (and are not turned off), else torch's."""
+    """The fused ops for bf16 and float32 on a CPU where they build (and are not turned off),
+    else torch's (float64 keeps torch's: it is the exactness oracle's dtype)."""
     if (
-        dtype == torch.bfloat16
+        dtype in FusedCpuOps.SUFFIXES
         and device.type == "cpu"
         and os.environ.get("PAGEDSERVE_CPU_FUSED_OPS", "1") != "0"
     ):
         lib = load()
         if lib is not None:
-            return FusedBf16Ops(lib)
+            return FusedCpuOps(lib, dtype)
     return TorchOps()
