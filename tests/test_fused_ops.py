@@ -117,3 +117,29 @@ def test_chosen_for_bf16_and_float32_on_cpu_only(monkeypatch: pytest.MonkeyPatch
     assert type(fused_ops.ops_for(torch.float64, cpu)) is TorchOps  # the oracle's dtype
     monkeypatch.setenv("PAGEDSERVE_CPU_FUSED_OPS", "0")
     assert type(fused_ops.ops_for(BF16, cpu)) is TorchOps
+
+
+@pytest.mark.parametrize(
+    "rows,vocab,k", [(1, 49152, 32), (5, 1000, 32), (3, 37, 5), (64, 4099, 32)]
+)
+def test_widen_top_equals_torch(rows: int, vocab: int, k: int) -> None:
+    """bf16 logits -> float32 and each row's k largest ids: torch's values and topk's set (the
+    logits are distinct, so the set is unique); vocab sizes with and without a vector tail."""
+    torch.manual_seed(vocab)
+    logits = torch.randperm(rows * vocab).reshape(rows, vocab).to(BF16)  # distinct up to 256
+    logits = (torch.randn(rows, vocab) * 8).to(BF16) if vocab > 256 else logits
+    wide, top = _ops().widen_top(logits, k)
+    assert wide.dtype == torch.float32 and torch.equal(wide, logits.float())
+    kth = logits.float().topk(k, dim=1).values[:, -1:]
+    picked = logits.float().gather(1, top)
+    # Every pick is at least the k-th largest, and the picks are k distinct ids of the row.
+    assert bool((picked >= kth).all())
+    assert all(len(set(row.tolist())) == k for row in top)
+    assert bool((logits.float() > kth).sum(1).le(k).all())
+
+
+def test_widen_top_keeps_nan_out_of_the_top() -> None:
+    logits = torch.arange(100, dtype=torch.float32).to(BF16).reshape(1, 100)
+    logits[0, 50] = float("nan")
+    wide, top = _ops().widen_top(logits, 4)
+    assert sorted(top[0].tolist()) == [96, 97, 98, 99] and bool(wide[0, 50].isnan())

@@ -10,6 +10,7 @@ interface:
     act = ops.silu_mul(gate_up)                       silu(gate) * up
     rope = ops.rope_for(positions, table)             once per step
     qk = ops.rotate(qk, rope)                         every layer
+    logits, top = ops.widen_top(logits, k)            bf16 logits -> float32, top-k ids
 
 The fused ops may write `h` and `qk` in place; the model hands them tensors nothing else
 reads. `PAGEDSERVE_CPU_FUSED_OPS=0` keeps torch's ops.
@@ -54,6 +55,12 @@ class TorchOps:
         cos, sin = rope
         return apply_rotary(qk, cos, sin)
 
+    def widen_top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half-precision logits `[R, V]` -> (the same in float32, the ids of each row's `k`
+        largest `[R, k]`, in any order)."""
+        wide = logits.float()
+        return wide, wide.topk(k, dim=1).indices
+
 
 class FusedCpuOps(TorchOps):
     """bf16 or float32 tensors on the CPU; `lib` is the built `fused_ops_cpu.c`."""
@@ -67,6 +74,7 @@ class FusedCpuOps(TorchOps):
         self._add_rms_norm = getattr(lib, f"add_rms_norm_{suffix}")
         self._silu_mul = getattr(lib, f"silu_mul_{suffix}")
         self._rope = getattr(lib, f"rope_{suffix}")
+        self._widen_top = lib.widen_top_bf16
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -122,6 +130,19 @@ class FusedCpuOps(TorchOps):
         )
         return qk
 
+    def widen_top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if logits.dtype != torch.bfloat16:
+            return super().widen_top(logits, k)
+        assert logits.is_contiguous() and 0 < k <= logits.shape[1]
+        rows, vocab = logits.shape
+        wide = torch.empty(rows, vocab, dtype=torch.float32)
+        top = torch.empty(rows, k, dtype=torch.int64)
+        self._widen_top(
+            logits.data_ptr(), wide.data_ptr(), top.data_ptr(), rows, vocab, k,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return wide, top
+
 
 def load() -> ctypes.CDLL | None:
     """The built library with its argument types set; None where it cannot build."""
@@ -137,6 +158,8 @@ def load() -> ctypes.CDLL | None:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes = argtypes
                 fn.restype = None
+        lib.widen_top_bf16.argtypes = [p, p, p, i64, i64, i32, i32]
+        lib.widen_top_bf16.restype = None
     return lib
 
 

@@ -172,22 +172,30 @@ class DecoderLayer(nn.Module):
         rope: Any,
         attn: AttentionFn,
         ops: TorchOps,
+        num_tokens: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream `h` `[T, hidden]` plus the previous layer's pending `delta`
+        """The residual stream `h` `[R, hidden]` plus the previous layer's pending `delta`
         (None for the first layer) -> this layer's (h, delta): each residual add is fused
-        with the norm that follows it. `rope` comes from `ops.rope_for`."""
-        num_tokens, hidden = h.shape
+        with the norm that follows it. `rope` comes from `ops.rope_for`. The first
+        `num_tokens` rows are the step's tokens; rows past them (`CausalLM.row_padding`) only
+        keep the projections' row counts aligned: attention never sees them."""
+        rows = h.shape[0]
         num_qk = self.num_heads + self.num_kv_heads
 
         h, x = ops.add_rms_norm(h, delta, self.input_norm, self.eps)
         qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
-        qkv = qkv.view(num_tokens, num_qk + self.num_kv_heads, self.head_dim)
+        qkv = qkv.view(rows, num_qk + self.num_kv_heads, self.head_dim)
         qk = qkv[:, :num_qk]
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm
-        qk = ops.rotate(qk, rope)
-        out = attn(layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:])
-        o = _linear(out.reshape(num_tokens, -1), self.o_weight, self.o_bias, self.o_packed)
+        qk = ops.rotate(qk, rope)[:num_tokens]
+        out = attn(
+            layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:num_tokens, num_qk:]
+        )
+        out = out.reshape(num_tokens, -1)
+        if rows != num_tokens:
+            out = F.pad(out, (0, 0, 0, rows - num_tokens))
+        o = _linear(out, self.o_weight, self.o_bias, self.o_packed)
         if self.tp is not None:
             self.tp.all_reduce(o)
 
@@ -270,6 +278,11 @@ class CausalLM(nn.Module):
         `positions` must lie in `[0, config.max_model_len)`.
         """
         ops = self.ops
+        num_tokens = input_ids.shape[0]
+        pad = self.row_padding(num_tokens)
+        if pad:
+            input_ids = F.pad(input_ids, (0, pad))
+            positions = F.pad(positions, (0, pad))
         rope = ops.rope_for(positions, self.rope_cache)
         if self.tp is None:
             h = F.embedding(input_ids, self.embed)
@@ -280,8 +293,18 @@ class CausalLM(nn.Module):
             h = self.tp.all_reduce(h * held.unsqueeze(1).to(h.dtype))
         delta = None
         for layer_idx, layer in enumerate(self.layers):
-            h, delta = layer(layer_idx, h, delta, rope, attn, ops)
-        return ops.add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)[1]
+            h, delta = layer(layer_idx, h, delta, rope, attn, ops, num_tokens)
+        out = ops.add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)[1]
+        return out[:num_tokens] if pad else out
+
+    def row_padding(self, num_tokens: int) -> int:
+        """Rows added past a step's tokens (token 0 at position 0) so that the prepacked bf16
+        projections see multiples of BF16_ROW_ALIGN rows: padded once per step here rather
+        than by each projection (4 per layer). 0 on every other path."""
+        first = cast(DecoderLayer, self.layers[0])
+        if self.dtype != torch.bfloat16 or first.qkv_packed is None:
+            return 0
+        return -num_tokens % BF16_ROW_ALIGN
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[R, hidden]` -> `[R, vocab]` in float32 (float64 for a float64 model).
@@ -293,12 +316,14 @@ class CausalLM(nn.Module):
         hidden state and weight rows (exact products, float32 sums); the long tail keeps the
         rounded values, whose error is far below anything sampling can resolve there.
         """
-        logits = _linear(hidden, self.lm_head, None, self.lm_head_packed).to(self.logits_dtype)
+        logits = _linear(hidden, self.lm_head, None, self.lm_head_packed)
         if self.dtype.itemsize < 4:
-            top = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=1).indices  # [R, k]
+            logits, top = self.ops.widen_top(logits, min(REFINE_TOP, logits.shape[1]))  # [R, k]
             rows = self.lm_head[top].to(self.logits_dtype)  # [R, k, hidden]
             exact = torch.bmm(rows, hidden.to(self.logits_dtype).unsqueeze(2)).squeeze(2)
             logits.scatter_(1, top, exact)
+        else:
+            logits = logits.to(self.logits_dtype)
         # Each rank refined its own rows' best: the overall best are among them.
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 

@@ -135,3 +135,71 @@ INLINE void rope(void *x, int64_t token_stride, const int64_t *positions, int64_
 
 EXPORT(bf16, BF16)
 EXPORT(f32, F32)
+
+/* An LM head's bf16 logits [rows, vocab] widened to float32 `out`, and the `k` largest of each
+ * row's (ties in any order) in `top` [rows, k], in one pass: a k-entry min-heap per row whose
+ * root is the bar a vector's lanes must clear before any of them is looked at one by one. */
+static void sift_down(float *val, int64_t *id, int k, int i) {
+    for (;;) {
+        int least = i, l = 2 * i + 1, r = l + 1;
+        if (l < k && val[l] < val[least]) least = l;
+        if (r < k && val[r] < val[least]) least = r;
+        if (least == i) return;
+        float tv = val[i];
+        val[i] = val[least];
+        val[least] = tv;
+        int64_t ti = id[i];
+        id[i] = id[least];
+        id[least] = ti;
+        i = least;
+    }
+}
+
+void widen_top_bf16(const uint16_t *logits, float *out, int64_t *top, int64_t rows,
+                    int64_t vocab, int k, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * vocab >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *in = logits + r * vocab;
+        float *o = out + r * vocab;
+        int64_t *id = top + r * k;
+        float val[k];
+        for (int j = 0; j < k; j++) {
+            val[j] = bf16_widen(in[j]);
+            id[j] = j;
+            o[j] = val[j];
+        }
+        for (int j = k / 2 - 1; j >= 0; j--) sift_down(val, id, k, j);
+        int64_t i = k;
+        for (; i < vocab && i % W; i++) {  /* up to a multiple of W, then whole vectors */
+            o[i] = bf16_widen(in[i]);
+            if (o[i] > val[0]) {
+                val[0] = o[i];
+                id[0] = i;
+                sift_down(val, id, k, 0);
+            }
+        }
+        for (; i + W <= vocab; i += W) {
+            const v16 v = load_bf16x16(in + i);
+            store16(o + i, v);
+            const i16 above = v > splat16(val[0]);
+            int any = 0;
+            for (int l = 0; l < W; l++) any |= above[l];
+            if (!any) continue;
+            for (int l = 0; l < W; l++) {
+                if (v[l] > val[0]) {
+                    val[0] = v[l];
+                    id[0] = i + l;
+                    sift_down(val, id, k, 0);
+                }
+            }
+        }
+        for (; i < vocab; i++) {
+            o[i] = bf16_widen(in[i]);
+            if (o[i] > val[0]) {
+                val[0] = o[i];
+                id[0] = i;
+                sift_down(val, id, k, 0);
+            }
+        }
+    }
+}
