@@ -188,6 +188,37 @@ async def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def wait_drained(url: str, timeout: float = 120.0) -> dict[str, float | None]:
+    """Waits (up to `timeout`) for nothing to run or wait; what /metrics says then."""
+    start = time.monotonic()
+    m: dict[str, float] = {}
+    while time.monotonic() - start < timeout:
+        m = asyncio.run(metrics(url))
+        if m.get("num_requests_running", 1) == 0 and m.get("num_requests_waiting", 1) == 0:
+            break
+        time.sleep(0.5)
+    return {
+        "seconds": time.monotonic() - start,
+        "running": m.get("num_requests_running"),
+        "waiting": m.get("num_requests_waiting"),
+        "kv_usage": m.get("gpu_cache_usage_perc"),
+    }
+
+
+def rss_drift(values: list[float]) -> dict[str, float]:
+    """Once-a-second RSS samples: the first and last quarter's means after a sixth of warm-up,
+    the peak, and the relative change ("flat" when small)."""
+    warm = values[len(values) // 6 :] or values
+    quarter = max(1, len(warm) // 4)
+    first, last = statistics.mean(warm[:quarter]), statistics.mean(warm[-quarter:])
+    return {
+        "first_mib": first,
+        "last_mib": last,
+        "peak_mib": max(values),
+        "drift": (last - first) / first if first else 0.0,
+    }
+
+
 def never_reading(port: int, body: dict[str, Any]) -> socket.socket:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -259,13 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             by_status[key] = by_status.get(key, 0) + 1
         admitted = [o.ttft_s for o in outs if o.status == 200 and o.ttft_s is not None]
         rejected = [o.status_s for o in outs if o.status == 429]
-        rss: dict[str, dict[str, float]] = {}
-        for name, values in sampler.samples.items():
-            warm = values[len(values) // 6 :] or values
-            quarter = max(1, len(warm) // 4)
-            first, last = statistics.mean(warm[:quarter]), statistics.mean(warm[-quarter:])
-            rss[name] = {"first_mib": first, "last_mib": last, "peak_mib": max(values),
-                         "drift": (last - first) / first if first else 0.0}  # fmt: skip
+        rss = {name: rss_drift(values) for name, values in sampler.samples.items()}
         p99 = pct(admitted, 99)
         p99_0 = report["unloaded"]["ttft_p99_s"]
         errors = {o.error for o in outs if o.status >= 500 or (o.error and not o.status)}
@@ -284,18 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
 
         # 4. drain
-        start = time.monotonic()
-        m: dict[str, float] = {}
-        while time.monotonic() - start < 120:
-            m = asyncio.run(metrics(url))
-            if m.get("num_requests_running", 1) == 0 and m.get("num_requests_waiting", 1) == 0:
-                break
-            time.sleep(0.5)
-        report["drain"] = {
-            "seconds": time.monotonic() - start,
-            "running": m.get("num_requests_running"), "waiting": m.get("num_requests_waiting"),
-            "kv_usage": m.get("gpu_cache_usage_perc"),
-        }  # fmt: skip
+        report["drain"] = wait_drained(url)
 
         # 5. slow readers
         gw, cp = pids.get("gateway", 0), pids.get("control-plane", 0)

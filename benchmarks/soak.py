@@ -41,7 +41,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -60,7 +59,7 @@ from benchmarks.common import (
     model_dir,
     write_json,
 )
-from benchmarks.overload import child_pids, metrics, rss_mib
+from benchmarks.overload import child_pids, rss_drift, rss_mib, wait_drained
 
 KINDS = {  # kind -> share of requests
     "stream": 0.25,
@@ -255,18 +254,6 @@ async def replay(url: str, outcomes: list[Outcome], concurrency: int) -> list[di
     return [{"replayed": len(todo)}, *mismatches]
 
 
-def drift(values: list[float]) -> dict[str, float]:
-    warm = values[len(values) // 6 :] or values
-    quarter = max(1, len(warm) // 4)
-    first, last = statistics.mean(warm[:quarter]), statistics.mean(warm[-quarter:])
-    return {
-        "first_mib": first,
-        "last_mib": last,
-        "peak_mib": max(values),
-        "drift": (last - first) / first if first else 0.0,
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0)
@@ -326,20 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = a.minutes * 60
         outcomes = asyncio.run(soak(url, seconds, a.concurrency, vocab, a.seed, inject, sample))
 
-        # Drain: nothing running or waiting, no KV block in use but cached ones.
-        start = time.monotonic()
-        m: dict[str, float] = {}
-        while time.monotonic() - start < 120:
-            m = asyncio.run(metrics(url))
-            if m.get("num_requests_running", 1) == 0 and m.get("num_requests_waiting", 1) == 0:
-                break
-            time.sleep(0.5)
-        drained = {
-            "seconds": time.monotonic() - start,
-            "running": m.get("num_requests_running"),
-            "waiting": m.get("num_requests_waiting"),
-            "kv_usage": m.get("gpu_cache_usage_perc"),
-        }
+        drained = wait_drained(url)  # nothing running or waiting, no KV block used but cached
         replayed, *mismatches = asyncio.run(replay(url, outcomes, REPLAY_CONCURRENCY))
     finally:
         up.stop()
@@ -363,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         o for o in outcomes if o.kind == "n2" and o.status == 200 and not o.error
         and sorted(o.finish) != [0, 1]
     ]  # fmt: skip
-    memory = {name: drift(values) for name, values in rss.items() if values}
+    memory = {name: rss_drift(values) for name, values in rss.items() if values}
     checks = {
         "no_lost_or_duplicated_tokens": not mismatches,
         "no_5xx_outside_failover": not errors_out and not transport_out,
