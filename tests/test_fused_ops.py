@@ -123,11 +123,10 @@ def test_chosen_for_bf16_and_float32_on_cpu_only(monkeypatch: pytest.MonkeyPatch
     "rows,vocab,k", [(1, 49152, 32), (5, 1000, 32), (3, 37, 5), (64, 4099, 32)]
 )
 def test_widen_top_equals_torch(rows: int, vocab: int, k: int) -> None:
-    """bf16 logits -> float32 and each row's k largest ids: torch's values and topk's set (the
-    logits are distinct, so the set is unique); vocab sizes with and without a vector tail."""
+    """bf16 logits -> float32 and each row's k largest ids (ties at the k-th value may go
+    either way); vocab sizes with and without a vector tail."""
     torch.manual_seed(vocab)
-    logits = torch.randperm(rows * vocab).reshape(rows, vocab).to(BF16)  # distinct up to 256
-    logits = (torch.randn(rows, vocab) * 8).to(BF16) if vocab > 256 else logits
+    logits = (torch.randn(rows, vocab) * 8).to(BF16)
     wide, top = _ops().widen_top(logits, k)
     assert wide.dtype == torch.float32 and torch.equal(wide, logits.float())
     kth = logits.float().topk(k, dim=1).values[:, -1:]
