@@ -36,7 +36,7 @@ test: $(STAMP) redis-server
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy control_plane gpu_worker pagedserve gateway
+	$(VENV)/bin/mypy control_plane gpu_worker pagedserve gateway simulator
 
 protos: $(STAMP)
 	PYTHON=$(PY) scripts/gen_protos.sh

@@ -182,8 +182,10 @@ class BlockManager:
         if not self.enable_prefix_caching or table is None:
             return
         bs = self.block_size
-        req.extend_block_hashes(bs)
         start = self._num_offered.get(req.req_id, 0)
+        if req.num_computed_tokens // bs <= start:
+            return  # no block filled since the last call: the common decode step
+        req.extend_block_hashes(bs)
         end = min(req.num_computed_tokens // bs, len(req.block_hashes), len(table))
         for i in range(start, end):
             parent = req.block_hashes[i - 1] if i else None

@@ -95,6 +95,8 @@ class Request:
             raise ValueError(f"request {self.req_id}: the prompt must have at least one token")
         if self.parent_id is not None and self.sampling.n != 1:
             raise ValueError(f"request {self.req_id}: a child must have n == 1")
+        # Read on every scheduling pass; the sampling parameters never change.
+        self._fork_parent = self.sampling.n > 1 and not self.sampling.beam_width
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,16 +116,16 @@ class Request:
 
     @property
     def is_fork_parent(self) -> bool:
-        return self.sampling.n > 1 and not self.sampling.beam_width
+        return self._fork_parent
 
     @property
     def num_tokens_to_compute(self) -> int:
         """Where num_computed_tokens is headed: all tokens (pending outputs included), or for a
         fork parent all but the last prompt token (which each child computes itself, to sample
         from)."""
-        if self.is_fork_parent:
-            return self.num_prompt_tokens - 1
-        return self.num_tokens + self.num_pending_outputs
+        if self._fork_parent:
+            return len(self.prompt_token_ids) - 1
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_outputs
 
     @property
     def is_finished(self) -> bool:

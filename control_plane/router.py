@@ -123,11 +123,16 @@ class Router:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            if self.available:
-                await self._flush()
-            else:
-                await self._recover()
+            await self.sync()
             await asyncio.sleep(FLUSH_INTERVAL_S)
+
+    async def sync(self) -> None:
+        """Brings the index up to date with the block managers' events (or, after an outage,
+        rebuilds it once it answers)."""
+        if self.available:
+            await self._flush()
+        else:
+            await self._recover()
 
     async def _flush(self) -> None:
         for loop in self.loops:

@@ -338,9 +338,12 @@ class Scheduler:
         if req.num_computed_tokens >= req.num_tokens_to_compute:
             return False
         pending = req.num_pending_outputs
-        return not pending or (
-            req.num_output_tokens + pending < req.sampling.max_tokens
-            and req.num_tokens + pending < self.config.max_model_len
+        if not pending:
+            return True
+        num_output = len(req.output_token_ids) + pending
+        return (
+            num_output < req.sampling.max_tokens
+            and len(req.prompt_token_ids) + num_output < self.config.max_model_len
         )
 
     def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
@@ -862,9 +865,13 @@ class Scheduler:
     def _check_stop(self, req: Request) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings live outside)."""
         sp = req.sampling
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+        num_output = len(req.output_token_ids)
+        if (
+            num_output >= sp.max_tokens
+            or len(req.prompt_token_ids) + num_output >= self.config.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
-        if req.num_output_tokens < sp.min_tokens:
+        if num_output < sp.min_tokens:
             return None
         last = req.output_token_ids[-1]
         if not sp.ignore_eos and last in self.config.eos_token_ids:
@@ -906,6 +913,14 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
+
+    def sampling_rows(self, plan: StepPlan) -> frozenset[str]:
+        """The requests of a plan awaiting update() that will sample a token in it (what its
+        StepResult must carry)."""
+        for f in self._in_flight:
+            if f.plan is plan:
+                return f.sampling
+        raise ValueError(f"step {plan.step_id} is not awaiting update()")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

@@ -705,6 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     _client_flags(st)
     st.set_defaults(func=cmd_stats)
     __import__("pagedserve.bench.cli", fromlist=["*"]).register_bench(sub)
+    __import__("simulator.cli", fromlist=["*"]).register_simulate(sub)
     return parser
 
 

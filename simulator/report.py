@@ -1,0 +1,193 @@
+"""Summaries, tables and plots of simulation runs."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pagedserve.bench.metrics import distribution
+from simulator.cluster import SimResult
+
+
+def summarize(res: SimResult) -> dict[str, Any]:
+    sim = res.sim
+    done = [r for r in res.records if r.finish is not None]
+    start = min((r.arrival for r in res.records), default=0.0)
+    span = max(res.end_s - start, 1e-9)
+    out_tokens = sum(r.output_tokens for r in done)
+    ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
+    e2e = [r.finish - r.arrival for r in done if r.finish is not None]
+    tpot = [
+        (r.finish - r.first_token) / (r.output_tokens - 1)
+        for r in done
+        if r.output_tokens > 1 and r.finish is not None and r.first_token is not None
+    ]
+    norm = [(r.finish - r.arrival) / r.output_tokens for r in done if r.finish is not None]
+    queue = [r.scheduled - r.arrival for r in done if r.scheduled is not None]
+    stats = [w.scheduler.stats() for w in res.workers]
+    busy = sum(w.stats.busy_s for w in res.workers)
+    kv = [p for w in res.workers for p in w.stats.kv_series]
+    query_tokens = sum(s.prefix_cache.num_query_tokens for s in stats)
+    hit_tokens = sum(s.prefix_cache.num_hit_tokens for s in stats)
+    idx = sim.index
+    cp_load = sim.cp_cpu_s / span
+    return {
+        "num_requests": len(res.records),
+        "completed": len(done),
+        "duration_s": span,
+        "request_throughput": len(done) / span,
+        "output_throughput": out_tokens / span,
+        "prompt_tokens": sum(len(r.req.prompt_ids) for r in done),
+        "output_tokens": out_tokens,
+        "ttft": distribution(ttft),
+        "tpot": distribution(tpot),
+        "e2e": distribution(e2e),
+        "normalized_latency_s_per_token": statistics.fmean(norm) if norm else 0.0,
+        "queueing": distribution(queue),
+        "num_steps": sum(s.num_steps for s in stats),
+        "num_preemptions": sum(s.num_preemptions for s in stats),
+        "num_preemptions_recompute": sum(s.num_preemptions_recompute for s in stats),
+        "num_preemptions_swap": sum(s.num_preemptions_swap for s in stats),
+        "mean_batch_size": sum(w.stats.row_seconds for w in res.workers) / busy if busy else 0.0,
+        "worker_busy_frac": busy / (span * len(res.workers)),
+        "kv_blocks_held_mean": statistics.fmean(p[1] for p in kv) if kv else 0.0,
+        "kv_tokens_used_mean": statistics.fmean(p[2] for p in kv) if kv else 0.0,
+        "num_gpu_blocks_per_worker": sim.num_gpu_blocks,
+        "prefix_hit_rate": hit_tokens / query_tokens if query_tokens else 0.0,
+        "routed_with_prefix_hit": sim.router.counters.num_routed_with_prefix_hit,
+        "prefix_index": {
+            "lookups_per_s": idx.lookups / span,
+            "updates_per_s": idx.updates / span,
+            "ops_per_s": (idx.lookups + idx.updates) / span,
+            "hashes_per_s": (idx.lookup_hashes + idx.update_hashes) / span,
+            "peak_entries": idx.peak_entries,
+        },
+        "control_plane": {
+            "cpu_s": sim.cp_cpu_s,
+            "cpu_per_step_us": sim.cp_cpu_s / max(1, sim.cp_steps) * 1e6,
+            "load_cores": cp_load,
+            "workers_per_process": len(res.workers) / cp_load if cp_load else float("inf"),
+        },
+        "wall_s": res.wall_s,
+        "kv_series": [
+            {
+                "worker": w.index,
+                "t": [p[0] for p in w.stats.kv_series],
+                "held": [p[1] for p in w.stats.kv_series],
+                "used": [p[2] for p in w.stats.kv_series],
+            }
+            for w in res.workers[:4]
+        ],
+    }
+
+
+HEADERS = [
+    "allocation",
+    "routing",
+    "rate",
+    "done",
+    "req/s",
+    "out tok/s",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT p50",
+    "TPOT p99",
+    "norm s/tok",
+    "batch",
+    "preempt",
+    "steps",
+    "prefix hit",
+    "wall s",
+]
+
+
+def table_row(run: dict[str, Any]) -> list[Any]:
+    s = run["summary"]
+    return [
+        run["allocation"],
+        run["routing"],
+        run["rate"],
+        s["completed"],
+        f"{s['request_throughput']:.2f}",
+        f"{s['output_throughput']:.0f}",
+        f"{s['ttft']['p50_ms']:.0f} ms",
+        f"{s['ttft']['p99_ms']:.0f} ms",
+        f"{s['tpot']['p50_ms']:.1f} ms",
+        f"{s['tpot']['p99_ms']:.1f} ms",
+        f"{s['normalized_latency_s_per_token']:.3f}",
+        f"{s['mean_batch_size']:.1f}",
+        s["num_preemptions"],
+        s["num_steps"],
+        f"{s['prefix_hit_rate'] * 100:.1f}%",
+        f"{s['wall_s']:.1f}",
+    ]
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    rows = [HEADERS] + [[str(c) for c in table_row(r)] for r in runs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADERS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def sustained_rate(runs: list[dict[str, Any]], threshold_s_per_token: float) -> float | None:
+    """The highest swept rate whose mean normalized latency stays within the threshold (and
+    every rate below it does too)."""
+    best = None
+    for run in sorted(runs, key=lambda r: float(r["rate"])):
+        if run["summary"]["normalized_latency_s_per_token"] > threshold_s_per_token:
+            break
+        best = float(run["rate"])
+    return best
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """latency_vs_rate.png (normalized latency per policy, as the PagedAttention paper's
+    Fig. 12) and kv_utilization.png (the first run's KV use over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    runs = report["runs"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    policies: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        policies.setdefault(f"{r['allocation']} / {r['routing']}", []).append(r)
+    for label, rs in policies.items():
+        rs = sorted(rs, key=lambda r: float(r["rate"]))
+        ax.plot(
+            [float(r["rate"]) for r in rs],
+            [r["summary"]["normalized_latency_s_per_token"] for r in rs],
+            marker="o",
+            label=label,
+        )
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title(f"{report['model']} on {report['device']} x{report['workers']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "latency_vs_rate.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs[: min(4, len(runs))]:
+        series = r["summary"]["kv_series"][0] if r["summary"]["kv_series"] else None
+        if series:
+            label = f"{r['allocation']} @ {r['rate']}"
+            ax.plot(series["t"], [v * 100 for v in series["held"]], label=f"{label}: held")
+            ax.plot(series["t"], [v * 100 for v in series["used"]], "--", label=f"{label}: used")
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("KV cache of worker 0 (%)")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "kv_utilization.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
