@@ -39,6 +39,7 @@ class ControlPlaneConfig:
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS  # n x max_tokens of one Generate
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # logprob entries one Generate returns
     grammar_compile_timeout_s: float = 10.0  # a constraint compiling longer is refused
+    step_trace: str | None = None  # a file to append one JSON line per worker step to
 
     def __post_init__(self) -> None:
         if not self.workers:

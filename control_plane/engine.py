@@ -8,11 +8,14 @@ adds a request and sets the wake-up event; an abort frees the request's blocks a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TextIO
 
 import grpc
 
@@ -29,7 +32,7 @@ from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConf
 from control_plane.tokenizer import LoadedTokenizer
 from control_plane.worker_client import Probe, WorkerClient, WorkerError
 from pagedserve.log import get_logger
-from pagedserve.plan import PromptLogprobRun, SampledToken, StepPlan
+from pagedserve.plan import PromptLogprobRun, SampledToken, StepPlan, StepResult, StepShape
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2
 
@@ -218,6 +221,9 @@ class EngineLoop:
         self._recovering = False  # the worker was lost; the run loop waits for it to answer
         self._silent = False  # out of placement for silence alone, not lost yet
         self._lost: tuple[str, bool] | None = None  # (why, hand off at once), for the run loop
+        self._trace: TextIO | None = None  # --step-trace
+        self._traced: dict[int, tuple[StepShape, float]] = {}  # step id -> (shape, sent at)
+        self._last_result_at = 0.0
 
     def _new_scheduler(self) -> Scheduler:
         bm = BlockManager(
@@ -468,12 +474,39 @@ class EngineLoop:
         self._token_s = max(per_token, 0.9 * self._token_s)
         self._in_flight.popleft()
         self.counters.num_steps += 1
+        if self._trace is not None:
+            self._write_trace(plan, result)
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result.prompt_logprobs)
         deltas = self.scheduler.update(plan, result)
         self._cache_events += self.scheduler.block_manager.drain_events()
         self._publish(deltas)
         self.on_step()
+
+    def trace_steps(self, path: str) -> None:
+        """Appends one JSON line per step to `path`: the worker, the step's shape
+        (`Scheduler.plan_shape`), when it was sent and its result read (perf_counter
+        seconds), the worker's own time, and `seconds`: from the later of its send and the
+        previous result to its result, the step's length as the control plane sees it."""
+        self._trace = open(path, "a", buffering=1)  # noqa: SIM115 - closed with the process
+
+    def _write_trace(self, plan: StepPlan, result: StepResult) -> None:
+        assert self._trace is not None
+        shape, sent = self._traced.pop(plan.step_id, (None, 0.0))
+        now = time.perf_counter()
+        if shape is not None:
+            start = max(sent, self._last_result_at)
+            line = {
+                "worker": self.client.address,
+                "step": plan.step_id,
+                **dataclasses.asdict(shape),
+                "sent": sent,
+                "received": now,
+                "seconds": now - start,
+                "worker_seconds": result.total_time_s,
+            }
+            self._trace.write(json.dumps(line) + "\n")
+        self._last_result_at = now
 
     async def _schedule_and_send(self) -> bool:
         """Sends the next plan; False when there is nothing to send."""
@@ -487,6 +520,8 @@ class EngineLoop:
             return False
         self._step_id += 1
         plan.step_id = self._step_id
+        if self._trace is not None:
+            self._traced[plan.step_id] = (scheduler.plan_shape(plan), time.perf_counter())
         await self.client.send(plan)
         if not self._in_flight:
             self._waiting_since = time.monotonic()

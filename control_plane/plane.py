@@ -172,6 +172,8 @@ class ControlPlane:
         )
         loop.hand_off = self.take_over
         loop.failover_after_s = self.config.worker_failover_s
+        if self.config.step_trace:
+            loop.trace_steps(self.config.step_trace)
         if self.router is None:
             index: PrefixIndex = (
                 RedisPrefixIndex(self.config.redis_url, self.model_name)

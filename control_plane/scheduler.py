@@ -60,6 +60,7 @@ from pagedserve.plan import (
     SampledToken,
     StepPlan,
     StepResult,
+    StepShape,
 )
 from pagedserve.sampling_params import InvalidRequestError
 
@@ -921,6 +922,27 @@ class Scheduler:
             if f.plan is plan:
                 return f.sampling
         raise ValueError(f"step {plan.step_id} is not awaiting update()")
+
+    def plan_shape(self, plan: StepPlan) -> StepShape:
+        """The shape of a plan just made by schedule() (see `StepShape`)."""
+        pairs = ctx = 0
+        get = self._requests.get
+        for req_id, n in plan.num_scheduled_tokens.items():
+            req = get(req_id)
+            if req is None:
+                continue
+            before = req.num_computed_tokens - n  # schedule() advanced it already
+            pairs += n * before + n * (n + 1) // 2
+            ctx += before
+        sampled = len(self.sampling_rows(plan)) if plan.num_scheduled_tokens else 0
+        return StepShape(
+            rows=len(plan.num_scheduled_tokens),
+            tokens=plan.total_num_scheduled_tokens,
+            sampled_rows=sampled,
+            attention_pairs=pairs,
+            context_tokens=ctx,
+            swapped_blocks=len(plan.swap_in) + len(plan.swap_out),
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

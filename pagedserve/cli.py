@@ -192,6 +192,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
             worker_connect_timeout_s=a.worker_connect_timeout,
             worker_wait_timeout_s=a.worker_wait_timeout,
             grammar_compile_timeout_s=a.grammar_compile_timeout,
+            step_trace=a.step_trace,
             max_request_tokens=a.max_request_tokens,
             max_logprob_entries=a.max_logprob_entries,
         )
@@ -394,6 +395,13 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds a structured-output constraint (JSON schema, regex, grammar) may take to "
         "compile; a slower one is refused (HTTP 400)",
+    )
+    _flag(
+        p,
+        "--step-trace",
+        default=None,
+        help="append one JSON line per worker step to this file: its shape (rows, tokens, "
+        "attention pairs, context) and timings (what `benchmarks/calibrate_simulator.py` fits)",
     )
 
 

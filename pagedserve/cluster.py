@@ -212,6 +212,7 @@ SCHEDULER_FLAGS = [
     "grammar-compile-timeout",
     "worker-connect-timeout",
     "worker-wait-timeout",
+    "step-trace",
 ]
 # One request's budget: the gateway checks an HTTP request's total, the control plane each call.
 BUDGET_FLAGS = ["max-request-tokens", "max-logprob-entries"]

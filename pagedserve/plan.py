@@ -108,6 +108,21 @@ class StepPlan:
 
 
 @dataclass
+class StepShape:
+    """What a plan asks of the model: rows that compute tokens, tokens, rows that sample, the
+    query-key pairs attention computes (causal within a row's new tokens), the context tokens
+    whose K/V it reads, and blocks moved between the device and the host. It is what a step's
+    time depends on (`Scheduler.plan_shape`; the simulator's cost model reads it)."""
+
+    rows: int = 0
+    tokens: int = 0
+    sampled_rows: int = 0
+    attention_pairs: int = 0
+    context_tokens: int = 0
+    swapped_blocks: int = 0
+
+
+@dataclass
 class SampledToken:
     """One sampled token; logprob fields are set only when the request asked for logprobs."""
 

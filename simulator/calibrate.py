@@ -2,10 +2,11 @@
 
 Given steps whose shapes (`StepShape`) and durations were measured on a real worker, find the
 constants of `CostModel.step_time` that predict them best: the effective FLOP/s and bytes/s
-of the roofline (peak x efficiency, so efficiency is stored as 1), the fixed overhead per
-step, and the costs per row and per token. The roofline's max() makes the fit nonlinear:
-FLOP/s and bytes/s are searched on a log grid, and for each pair the three linear constants
-are solved by least squares (non-negative, relative error). `benchmarks/calibrate_simulator.py`
+of the roofline (peak x efficiency, so efficiency is stored as 1), the attention's FLOP/s, the
+fixed overhead per step, and the costs per row and per token. The roofline's max() makes the
+fit nonlinear: FLOP/s and bytes/s are searched on a log grid, and for each pair the four
+linear constants (overhead, per row, per token, seconds per attention FLOP) are solved by
+least squares (non-negative, relative error). `benchmarks/calibrate_simulator.py`
 measures the steps and writes the profile.
 """
 
@@ -16,7 +17,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from simulator.cost import CostModel, DeviceProfile, StepShape
+from pagedserve.plan import StepShape
+from simulator.cost import CostModel, DeviceProfile
 from simulator.hardware import ModelShape
 
 
@@ -28,6 +30,7 @@ def _features(cost: CostModel, shapes: Sequence[StepShape]) -> tuple[np.ndarray,
         bandwidth=1.0,
         flops_efficiency=1.0,
         bandwidth_efficiency=1.0,
+        attention_efficiency=float("inf"),
         overhead_s=0.0,
         per_row_s=0.0,
         per_token_s=0.0,
@@ -59,30 +62,49 @@ def fit_profile(
     samples: Sequence[tuple[StepShape, float]],
     memory_bytes: int,
     block_size: int = 16,
+    groups: Sequence[int] | None = None,
 ) -> tuple[DeviceProfile, float]:
     """The profile that best predicts `samples` (shape, seconds), and its median relative
-    error."""
-    shapes = [s for s, _ in samples if s.tokens]
-    y = np.array([t for s, t in samples if s.tokens])
+    error. With `groups` (one label per sample), each group weighs the same in the fit,
+    however many steps it ran."""
+    keep = [i for i, (s, _) in enumerate(samples) if s.tokens]
+    shapes = [samples[i][0] for i in keep]
+    y = np.array([samples[i][1] for i in keep])
     if len(y) < 4:
         raise ValueError("at least 4 steps with tokens are needed to fit a profile")
     base = DeviceProfile(name, 1.0, 1.0, memory_bytes, 1e12, 1e12)
     flops, nbytes = _features(CostModel(base, model, 1, block_size), shapes)
+    attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
     lin = np.stack(
-        [np.ones(len(y)), np.array([s.rows for s in shapes]), np.array([s.tokens for s in shapes])],
+        [
+            np.ones(len(y)),
+            np.array([s.rows for s in shapes]),
+            np.array([s.tokens for s in shapes]),
+            np.array([s.attention_pairs * attn_flops_per_pair for s in shapes]),
+        ],
         axis=1,
     )
     w = 1.0 / y  # relative error
-    best: tuple[float, float, float, np.ndarray] | None = None
-    for f in np.logspace(9, 15, 97):
-        for b in np.logspace(8, 13, 81):
-            roof = np.maximum(flops / f, nbytes / b)
-            x = _nonneg_lstsq(lin * w[:, None], (y - roof) * w)
-            err = float(np.mean(((lin @ x + roof) / y - 1) ** 2))
-            if best is None or err < best[0]:
-                best = (err, float(f), float(b), x)
-    assert best is not None
-    _, f, b, x = best
+    if groups is not None:
+        labels = [groups[i] for i in keep]
+        sizes = {g: labels.count(g) for g in set(labels)}
+        w = w / np.sqrt(np.array([sizes[g] for g in labels]))
+
+    def search(fs: np.ndarray, bs: np.ndarray) -> tuple[float, float, float, np.ndarray]:
+        best: tuple[float, float, float, np.ndarray] | None = None
+        for f in fs:
+            for b in bs:
+                roof = np.maximum(flops / f, nbytes / b)
+                x = _nonneg_lstsq(lin * w[:, None], (y - roof) * w)
+                err = float(np.sum((((lin @ x + roof) / y - 1) * w * y) ** 2))
+                if best is None or err < best[0]:
+                    best = (err, float(f), float(b), x)
+        assert best is not None
+        return best
+
+    # A coarse grid over six and five decades, then a fine one around its best point.
+    _, f, b, _ = search(np.logspace(9, 15, 49), np.logspace(8, 13, 41))
+    _, f, b, x = search(np.geomspace(f / 1.4, f * 1.4, 25), np.geomspace(b / 1.4, b * 1.4, 25))
     profile = DeviceProfile(
         name,
         peak_flops=f,
@@ -92,6 +114,8 @@ def fit_profile(
         host_bandwidth=1e12,
         flops_efficiency=1.0,
         bandwidth_efficiency=1.0,
+        # x[3] is seconds per attention FLOP; none means attention costs nothing measurable.
+        attention_efficiency=float(1.0 / (x[3] * f)) if x[3] > 0 else 1e9,
         overhead_s=float(x[0]),
         per_row_s=float(x[1]),
         per_token_s=float(x[2]),

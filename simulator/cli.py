@@ -115,6 +115,13 @@ def register_simulate(sub: Any) -> None:
     s.set_defaults(func=cmd_simulate)
 
 
+def build_args(argv: list[str]) -> argparse.Namespace:
+    """`pagedserve simulate` arguments parsed from a list (for scripts)."""
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    register_simulate(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["simulate", *argv])
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
     from simulator.report import format_table, write_plots
 

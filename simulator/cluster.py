@@ -38,7 +38,7 @@ from control_plane.scheduler import Scheduler, SchedulerConfig
 from pagedserve.plan import SampledToken, StepPlan, StepResult
 from pagedserve.sampling_params import SamplingParams
 from simulator.config import SimConfig
-from simulator.cost import CostModel, StepShape
+from simulator.cost import CostModel
 from simulator.workload import SimRequest, Workload
 
 EOS = 2
@@ -61,28 +61,6 @@ def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def step_shape(sched: Scheduler, plan: StepPlan, sampling: frozenset[str]) -> StepShape:
-    """What a plan just made by `sched.schedule()` asks of the model (`sampling`: its rows due
-    to sample). Used alike by the simulator and by the calibration that fits profiles."""
-    pairs = ctx = 0
-    get = sched.get_request
-    for req_id, n in plan.num_scheduled_tokens.items():
-        req = get(req_id)
-        if req is None:
-            continue
-        before = req.num_computed_tokens - n  # schedule() advanced it already
-        pairs += n * before + n * (n + 1) // 2
-        ctx += before
-    return StepShape(
-        rows=len(plan.num_scheduled_tokens),
-        tokens=plan.total_num_scheduled_tokens,
-        sampled_rows=len(sampling),
-        attention_pairs=pairs,
-        context_tokens=ctx,
-        swapped_blocks=len(plan.swap_in) + len(plan.swap_out),
-    )
 
 
 class ReservingBlockManager(BlockManager):
@@ -119,6 +97,7 @@ class CountingPrefixIndex(MemoryPrefixIndex):
         self.update_hashes = 0
         self.entries = 0
         self.peak_entries = 0
+        self.peak_keys = 0
 
     async def lookup(
         self, block_hashes: Sequence[bytes], workers: Sequence[WorkerRef]
@@ -140,6 +119,7 @@ class CountingPrefixIndex(MemoryPrefixIndex):
                 self.entries += 1
         self.peak_entries = max(self.peak_entries, self.entries)
         await super().update(worker, stored, removed)
+        self.peak_keys = max(self.peak_keys, len(self._blocks))
 
 
 @dataclass
@@ -281,7 +261,10 @@ class Simulation:
         t0 = time.perf_counter()
         worker = self._place(r.prompt_ids)
         prompt_len = len(r.prompt_ids)
-        sp = SamplingParams(max_tokens=self.max_model_len - prompt_len, temperature=0.0)
+        if r.ignore_eos:
+            sp = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        else:
+            sp = SamplingParams(max_tokens=self.max_model_len - prompt_len, temperature=0.0)
         self._targets[r.req_id] = r.output_len
         self._seeds[r.req_id] = zlib.crc32(r.req_id.encode())
         self._prompt_lens[r.req_id] = prompt_len
@@ -316,7 +299,7 @@ class Simulation:
                 self.cp_cpu_s += time.perf_counter() - t0
                 return
             sampling = sched.sampling_rows(plan) if plan.num_scheduled_tokens else frozenset()
-            duration = self.cost.step_time(step_shape(sched, plan, sampling))
+            duration = self.cost.step_time(sched.plan_shape(plan))
             self.cp_cpu_s += time.perf_counter() - t0
             worker.in_flight.append((plan, duration, sampling))
             if len(worker.in_flight) == 1:

@@ -2,15 +2,18 @@
 
 A step's cost is a roofline over the whole forward pass plus fixed costs:
 
-    compute = (2 · params · tokens  +  2 · hidden · vocab · sampled rows
-               + 4 · layers · q_dim · attention pairs) / (peak FLOP/s · flops_efficiency)
-    memory  = (weights  +  KV read (each row's context)  +  KV written (new tokens))
-              / (bandwidth · bandwidth_efficiency)
-    step    = overhead + per_row · rows + per_token · tokens + max(compute, memory)
-              + all-reduce (tensor parallel) + swap (blocks over the host link)
+    compute   = (2 · params · tokens + 2 · hidden · vocab · sampled rows)
+                / (peak FLOP/s · flops_efficiency)
+    memory    = (weights  +  KV read (each row's context)  +  KV written (new tokens))
+                / (bandwidth · bandwidth_efficiency)
+    attention = 4 · layers · q_dim · attention pairs / (peak FLOP/s · attention_efficiency)
+    step      = overhead + per_row · rows + per_token · tokens + max(compute, memory)
+                + attention + all-reduce (tensor parallel) + swap (blocks over the host link)
 
 "attention pairs" are the query-key pairs a row's new tokens attend to (causal within the
-new tokens). Tensor parallelism divides compute, weights and KV by the TP size and adds
+new tokens); their arithmetic runs at its own efficiency (attention kernels reach less of the
+peak than the projections' GEMMs), and the KV bytes they read are in the memory term.
+Tensor parallelism divides compute, weights and KV by the TP size and adds
 2 · layers + 1 ring all-reduces of the step's activations per step, each costing a latency
 plus 2 (tp - 1) / tp of the message over the interconnect.
 
@@ -25,7 +28,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+from pagedserve.plan import StepShape
 from simulator.hardware import GIB, Gpu, ModelShape, resolve_gpu
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -41,11 +46,12 @@ class DeviceProfile:
     host_bandwidth: float
     flops_efficiency: float = 0.6
     bandwidth_efficiency: float = 0.8
+    attention_efficiency: float = 0.4
     overhead_s: float = 0.0015  # per step: launch, batch building, sampling
     per_row_s: float = 2e-6
     per_token_s: float = 0.0
     allreduce_latency_s: float = 10e-6
-    fitted: dict[str, object] = field(default_factory=dict)  # where a fitted profile came from
+    fitted: dict[str, Any] = field(default_factory=dict)  # where a fitted profile came from
 
     @classmethod
     def for_gpu(cls, gpu: Gpu | str, **overrides: float) -> DeviceProfile:
@@ -84,20 +90,6 @@ def resolve_profile(name: str, **overrides: float) -> DeviceProfile:
     return DeviceProfile.for_gpu(name, **overrides)
 
 
-@dataclass
-class StepShape:
-    """What a plan asks of the model: rows that compute tokens, tokens, rows that sample, the
-    query-key pairs attention computes, the context tokens whose KV it reads, and blocks
-    moved between the device and the host."""
-
-    rows: int = 0
-    tokens: int = 0
-    sampled_rows: int = 0
-    attention_pairs: int = 0
-    context_tokens: int = 0
-    swapped_blocks: int = 0
-
-
 class CostModel:
     def __init__(
         self, profile: DeviceProfile, model: ModelShape, tp: int = 1, block_size: int = 16
@@ -116,6 +108,7 @@ class CostModel:
         self._kv_bytes = m.kv_bytes_per_token / tp
         self._flops_rate = profile.peak_flops * profile.flops_efficiency
         self._bytes_rate = profile.bandwidth * profile.bandwidth_efficiency
+        self._attn_rate = profile.peak_flops * profile.attention_efficiency
         self._allreduces = 2 * m.num_layers + 1 if tp > 1 else 0
         self._allreduce_bytes_per_token = (
             2 * (tp - 1) / tp * m.hidden_size * m.dtype_bytes if tp > 1 else 0.0
@@ -124,16 +117,13 @@ class CostModel:
 
     def step_time(self, s: StepShape) -> float:
         p = self.profile
-        if not s.tokens:
-            return p.overhead_s + s.swapped_blocks * self._block_bytes / p.host_bandwidth
-        flops = (
-            self._flops_per_token * s.tokens
-            + self._lm_head_flops * s.sampled_rows
-            + self._attn_flops_per_pair * s.attention_pairs
-        )
+        if not s.tokens:  # no forward pass: only the plan's block moves (tenths of a ms else)
+            return s.swapped_blocks * self._block_bytes / p.host_bandwidth
+        flops = self._flops_per_token * s.tokens + self._lm_head_flops * s.sampled_rows
         nbytes = self._weight_bytes + self._kv_bytes * (s.context_tokens + s.tokens)
         t = p.overhead_s + p.per_row_s * s.rows + p.per_token_s * s.tokens
         t += max(flops / self._flops_rate, nbytes / self._bytes_rate)
+        t += self._attn_flops_per_pair * s.attention_pairs / self._attn_rate
         if self._allreduces:
             t += self._allreduces * (
                 p.allreduce_latency_s

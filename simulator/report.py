@@ -45,7 +45,9 @@ def summarize(res: SimResult) -> dict[str, Any]:
         "e2e": distribution(e2e),
         "normalized_latency_s_per_token": statistics.fmean(norm) if norm else 0.0,
         "queueing": distribution(queue),
-        "num_steps": sum(s.num_steps for s in stats),
+        # Plans sent, as the control plane counts steps (EngineLoop.counters.num_steps).
+        "num_steps": sum(w.stats.steps for w in res.workers),
+        "num_token_steps": sum(s.num_steps for s in stats),
         "num_preemptions": sum(s.num_preemptions for s in stats),
         "num_preemptions_recompute": sum(s.num_preemptions_recompute for s in stats),
         "num_preemptions_swap": sum(s.num_preemptions_swap for s in stats),
@@ -62,6 +64,7 @@ def summarize(res: SimResult) -> dict[str, Any]:
             "ops_per_s": (idx.lookups + idx.updates) / span,
             "hashes_per_s": (idx.lookup_hashes + idx.update_hashes) / span,
             "peak_entries": idx.peak_entries,
+            "peak_keys": idx.peak_keys,
         },
         "control_plane": {
             "cpu_s": sim.cp_cpu_s,

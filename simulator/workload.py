@@ -46,6 +46,9 @@ class SimRequest:
     prompt_ids: list[int]
     output_len: int
     session: Session | None = None
+    # Ends by length (max_tokens = output_len, EOS ignored), as a benchmark's requests do;
+    # otherwise EOS ends it after output_len tokens, as a model's answer does.
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -225,6 +228,7 @@ def trace_requests(
             float(r["arrival_s"]),
             rng.integers(3, vocab_size, int(r["prompt_tokens"])).tolist(),
             max(1, int(r["output_tokens"])),
+            ignore_eos=bool(report.get("ignore_eos", True)),
         )
         for i, r in enumerate(sorted(rows, key=lambda r: r["arrival_s"]))
     ]

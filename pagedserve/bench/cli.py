@@ -128,6 +128,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         "prompt_len": [a.prompt_len.lo, a.prompt_len.hi],
         "output_len": [a.output_len.lo, a.output_len.hi],
         "arrival": a.arrival,
+        "ignore_eos": a.ignore_eos,
         "max_concurrency": a.max_concurrency,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),

@@ -20,7 +20,7 @@ class RequestResult:
     ok: bool
     prompt_tokens: int
     max_tokens: int
-    start: float = 0.0  # perf_counter at send
+    start: float = 0.0  # perf_counter at send; run_rate makes it seconds after the run began
     ttft: float = 0.0  # first content chunk
     latency: float = 0.0  # last byte
     output_tokens: int = 0

@@ -159,6 +159,8 @@ async def run_rate(
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(req)))
     results = list(await asyncio.gather(*tasks))
+    for r in results:
+        r.start -= start  # seconds after the run's start at which it was sent
     return results, time.perf_counter() - start
 
 
@@ -189,6 +191,7 @@ async def run(cfg: ServeConfig, requests: Sequence[BenchRequest]) -> dict[str, A
                     **summarize(results, duration),
                     "requests": [
                         {
+                            "arrival_s": r.start,
                             "prompt_tokens": r.prompt_tokens,
                             "output_tokens": r.output_tokens,
                             "ttft_s": r.ttft,
