@@ -61,13 +61,22 @@ def worker_info(address: str) -> dict[str, Any]:
     }
 
 
-def sweep(quick: bool, decode_steps: int) -> list[tuple[int, int, int]]:
-    """(batch, prompt length, output length) groups, run one after another."""
+# Served as they come: prompts and outputs of mixed lengths (lo, hi), all at once, as a
+# benchmark's requests (prefills of many short prompts packed into one step, then decode).
+MIXED = (64, (32, 256), (8, 64))
+Group = tuple[int, tuple[int, int], tuple[int, int]]  # requests, prompt and output length ranges
+
+
+def sweep(quick: bool, decode_steps: int) -> list[Group]:
+    """Groups of requests, run one after another."""
     batches = QUICK_DECODE_BATCHES if quick else DECODE_BATCHES
     contexts = QUICK_DECODE_CONTEXTS if quick else DECODE_CONTEXTS
     prefills = QUICK_PREFILLS if quick else PREFILLS
-    groups = [(b, c, decode_steps) for c in contexts for b in batches]
-    return groups + [(1, p, 2) for p in prefills]
+    groups: list[Group] = [
+        (b, (c, c), (decode_steps, decode_steps)) for c in contexts for b in batches
+    ]
+    groups += [(1, (p, p), (2, 2)) for p in prefills]
+    return groups if quick else [*groups, MIXED]
 
 
 async def serve_requests(
@@ -118,7 +127,7 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 
 
 def measure(
-    address: str, vocab_size: int, groups: Sequence[tuple[int, int, int]], trace: Path
+    address: str, vocab_size: int, groups: Sequence[Group], trace: Path
 ) -> list[dict[str, Any]]:
     """Serves each group whole, one after another; every step of the trace, labelled with its
     group."""
@@ -126,13 +135,17 @@ def measure(
     samples: list[dict[str, Any]] = []
     warm = [[rng.randrange(3, vocab_size) for _ in range(8)]]
     asyncio.run(serve_requests(address, warm, [2], [0.0]))
-    for gi, (batch, prompt_len, out_len) in enumerate(groups):
+    for gi, (batch, prompt_lens, out_lens) in enumerate(groups):
         done = len(read_trace(trace))
-        prompts = [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
-        asyncio.run(serve_requests(address, prompts, [out_len] * batch, [0.0] * batch))
+        prompts = [
+            [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_lens))]
+            for _ in range(batch)
+        ]
+        outs = [rng.randint(*out_lens) for _ in range(batch)]
+        asyncio.run(serve_requests(address, prompts, outs, [0.0] * batch))
         steps = read_trace(trace)[done:]
         samples += [{"group": gi, **s} for s in steps]
-        print(f"  group {gi}: batch {batch}, prompt {prompt_len}: {len(steps)} steps", flush=True)
+        print(f"  group {gi}: {batch} x prompt {prompt_lens}: {len(steps)} steps", flush=True)
     return samples
 
 

@@ -2,18 +2,17 @@
 
 Given steps whose shapes (`StepShape`) and durations were measured on a real worker, find the
 constants of `CostModel.step_time` that predict them best: the effective FLOP/s and bytes/s
-of the roofline (peak x efficiency, so efficiency is stored as 1), the attention's FLOP/s, the
-fixed overhead per step, and the costs per row and per token. The roofline's max() makes the
-fit nonlinear: FLOP/s and bytes/s are searched on a log grid, and for each pair the four
-linear constants (overhead, per row, per token, seconds per attention FLOP) are solved by
-least squares (non-negative, relative error). `benchmarks/calibrate_simulator.py`
+of the rooflines (peak x efficiency, so efficiency is stored as 1), attention's efficiency,
+the fixed overhead per step, and the costs per row and per token. The rooflines' max() makes
+the fit nonlinear: FLOP/s, bytes/s and attention's efficiency are searched on a log grid, and
+for each point the three linear constants are solved by least squares (non-negative, relative
+error). `benchmarks/calibrate_simulator.py`
 measures the steps and writes the profile.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -22,25 +21,20 @@ from simulator.cost import CostModel, DeviceProfile
 from simulator.hardware import ModelShape
 
 
-def _features(cost: CostModel, shapes: Sequence[StepShape]) -> tuple[np.ndarray, np.ndarray]:
-    """Per step: the roofline's FLOPs and bytes, at unit rates."""
-    unit = replace(
-        cost.profile,
-        peak_flops=1.0,
-        bandwidth=1.0,
-        flops_efficiency=1.0,
-        bandwidth_efficiency=1.0,
-        attention_efficiency=float("inf"),
-        overhead_s=0.0,
-        per_row_s=0.0,
-        per_token_s=0.0,
-    )
-    flops = CostModel(replace(unit, bandwidth=float("inf")), cost.model, cost.tp, cost.block_size)
-    nbytes = CostModel(replace(unit, peak_flops=float("inf")), cost.model, cost.tp, cost.block_size)
-    return (
-        np.array([flops.step_time(s) for s in shapes]),
-        np.array([nbytes.step_time(s) for s in shapes]),
-    )
+def _features(cost: CostModel, shapes: Sequence[StepShape]) -> dict[str, np.ndarray]:
+    """Per step: the GEMMs' FLOPs, the weights' bytes, attention's FLOPs and its KV bytes."""
+    m = cost.model
+    per_token = 2 * m.num_layers * m.layer_params
+    lm_head = 2 * m.hidden_size * m.vocab_size
+    per_pair = 4 * m.num_layers * m.num_heads * m.head_dim
+    return {
+        "flops": np.array([per_token * s.tokens + lm_head * s.sampled_rows for s in shapes]),
+        "weights": np.full(len(shapes), float(m.weight_bytes)),
+        "attn_flops": np.array([per_pair * s.attention_pairs for s in shapes], dtype=float),
+        "kv_bytes": np.array(
+            [m.kv_bytes_per_token * (s.context_tokens + s.tokens) for s in shapes], dtype=float
+        ),
+    }
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -73,15 +67,9 @@ def fit_profile(
     if len(y) < 4:
         raise ValueError("at least 4 steps with tokens are needed to fit a profile")
     base = DeviceProfile(name, 1.0, 1.0, memory_bytes, 1e12, 1e12)
-    flops, nbytes = _features(CostModel(base, model, 1, block_size), shapes)
-    attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
+    feat = _features(CostModel(base, model, 1, block_size), shapes)
     lin = np.stack(
-        [
-            np.ones(len(y)),
-            np.array([s.rows for s in shapes]),
-            np.array([s.tokens for s in shapes]),
-            np.array([s.attention_pairs * attn_flops_per_pair for s in shapes]),
-        ],
+        [np.ones(len(y)), np.array([s.rows for s in shapes]), np.array([s.tokens for s in shapes])],
         axis=1,
     )
     w = 1.0 / y  # relative error
@@ -90,21 +78,33 @@ def fit_profile(
         sizes = {g: labels.count(g) for g in set(labels)}
         w = w / np.sqrt(np.array([sizes[g] for g in labels]))
 
-    def search(fs: np.ndarray, bs: np.ndarray) -> tuple[float, float, float, np.ndarray]:
-        best: tuple[float, float, float, np.ndarray] | None = None
+    def search(
+        fs: np.ndarray, bs: np.ndarray, effs: np.ndarray
+    ) -> tuple[float, float, float, float, np.ndarray]:
+        best: tuple[float, float, float, float, np.ndarray] | None = None
         for f in fs:
+            gemm_c = feat["flops"] / f
             for b in bs:
-                roof = np.maximum(flops / f, nbytes / b)
-                x = _nonneg_lstsq(lin * w[:, None], (y - roof) * w)
-                err = float(np.sum((((lin @ x + roof) / y - 1) * w * y) ** 2))
-                if best is None or err < best[0]:
-                    best = (err, float(f), float(b), x)
+                gemm = np.maximum(gemm_c, feat["weights"] / b)
+                kv = feat["kv_bytes"] / b
+                for e in effs:
+                    roof = gemm + np.maximum(feat["attn_flops"] / (f * e), kv)
+                    x = _nonneg_lstsq(lin * w[:, None], (y - roof) * w)
+                    err = float(np.sum((((lin @ x + roof) / y - 1) * w * y) ** 2))
+                    if best is None or err < best[0]:
+                        best = (err, float(f), float(b), float(e), x)
         assert best is not None
         return best
 
-    # A coarse grid over six and five decades, then a fine one around its best point.
-    _, f, b, _ = search(np.logspace(9, 15, 49), np.logspace(8, 13, 41))
-    _, f, b, x = search(np.geomspace(f / 1.4, f * 1.4, 25), np.geomspace(b / 1.4, b * 1.4, 25))
+    # A coarse grid over the decades, then a fine one around its best point.
+    _, f, b, e, _ = search(
+        np.logspace(9, 15, 31), np.logspace(8, 13, 26), np.geomspace(0.05, 2.0, 9)
+    )
+    _, f, b, e, x = search(
+        np.geomspace(f / 1.6, f * 1.6, 13),
+        np.geomspace(b / 1.6, b * 1.6, 13),
+        np.geomspace(e / 1.6, e * 1.6, 7),
+    )
     profile = DeviceProfile(
         name,
         peak_flops=f,
@@ -114,8 +114,7 @@ def fit_profile(
         host_bandwidth=1e12,
         flops_efficiency=1.0,
         bandwidth_efficiency=1.0,
-        # x[3] is seconds per attention FLOP; none means attention costs nothing measurable.
-        attention_efficiency=float(1.0 / (x[3] * f)) if x[3] > 0 else 1e9,
+        attention_efficiency=e,
         overhead_s=float(x[0]),
         per_row_s=float(x[1]),
         per_token_s=float(x[2]),

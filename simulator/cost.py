@@ -1,18 +1,21 @@
 """How long a worker takes for one step, from the plan's batch.
 
-A step's cost is a roofline over the whole forward pass plus fixed costs:
+A step's cost is a roofline per kind of kernel, the projections' GEMMs and attention, which
+run one after the other, plus fixed costs:
 
-    compute   = (2 · params · tokens + 2 · hidden · vocab · sampled rows)
-                / (peak FLOP/s · flops_efficiency)
-    memory    = (weights  +  KV read (each row's context)  +  KV written (new tokens))
-                / (bandwidth · bandwidth_efficiency)
-    attention = 4 · layers · q_dim · attention pairs / (peak FLOP/s · attention_efficiency)
-    step      = overhead + per_row · rows + per_token · tokens + max(compute, memory)
-                + attention + all-reduce (tensor parallel) + swap (blocks over the host link)
+    gemms     = max((2 · params · tokens + 2 · hidden · vocab · sampled rows)
+                    / (peak FLOP/s · flops_efficiency),
+                    weights / (bandwidth · bandwidth_efficiency))
+    attention = max(4 · layers · q_dim · attention pairs / (peak FLOP/s · attention_efficiency),
+                    (KV read: each row's context + KV written: new tokens)
+                    / (bandwidth · bandwidth_efficiency))
+    step      = overhead + per_row · rows + per_token · tokens + gemms + attention
+                + all-reduce (tensor parallel) + swap (blocks over the host link)
 
 "attention pairs" are the query-key pairs a row's new tokens attend to (causal within the
 new tokens); their arithmetic runs at its own efficiency (attention kernels reach less of the
-peak than the projections' GEMMs), and the KV bytes they read are in the memory term.
+peak than the projections' GEMMs). Decode is bound by the weights and the KV it streams,
+prefill by arithmetic.
 Tensor parallelism divides compute, weights and KV by the TP size and adds
 2 · layers + 1 ring all-reduces of the step's activations per step, each costing a latency
 plus 2 (tp - 1) / tp of the message over the interconnect.
@@ -120,10 +123,13 @@ class CostModel:
         if not s.tokens:  # no forward pass: only the plan's block moves (tenths of a ms else)
             return s.swapped_blocks * self._block_bytes / p.host_bandwidth
         flops = self._flops_per_token * s.tokens + self._lm_head_flops * s.sampled_rows
-        nbytes = self._weight_bytes + self._kv_bytes * (s.context_tokens + s.tokens)
+        kv_bytes = self._kv_bytes * (s.context_tokens + s.tokens)
         t = p.overhead_s + p.per_row_s * s.rows + p.per_token_s * s.tokens
-        t += max(flops / self._flops_rate, nbytes / self._bytes_rate)
-        t += self._attn_flops_per_pair * s.attention_pairs / self._attn_rate
+        t += max(flops / self._flops_rate, self._weight_bytes / self._bytes_rate)
+        t += max(
+            self._attn_flops_per_pair * s.attention_pairs / self._attn_rate,
+            kv_bytes / self._bytes_rate,
+        )
         if self._allreduces:
             t += self._allreduces * (
                 p.allreduce_latency_s
