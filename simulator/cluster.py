@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, TypeVar, cast
 
-from control_plane.block_manager import BlockManager
+from control_plane.block_manager import BlockManager, PrefixHit
 from control_plane.engine import EngineLoop
 from control_plane.prefix_index import MemoryPrefixIndex, WorkerRef
 from control_plane.request import Request
 from control_plane.router import FLUSH_INTERVAL_S, Router
 from control_plane.scheduler import Scheduler, SchedulerConfig
 from pagedserve.plan import SampledToken, StepPlan, StepResult
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import InvalidRequestError, SamplingParams
 from simulator.config import SimConfig
 from simulator.cost import CostModel
 from simulator.workload import SimRequest, Workload
@@ -83,6 +83,13 @@ class ReservingBlockManager(BlockManager):
         if not table:
             num_tokens_total = max(num_tokens_total, self._reserve(req_id))
         return max(0, self.num_blocks_for(num_tokens_total) - len(table or ()))
+
+    def allocate_slots(
+        self, req_id: str, num_tokens_total: int, prefix: PrefixHit | None = None
+    ) -> list[int] | None:
+        if not (self._gpu_tables.get(req_id) or self._cpu_tables.get(req_id)):
+            num_tokens_total = max(num_tokens_total, self._reserve(req_id))
+        return super().allocate_slots(req_id, num_tokens_total, prefix)
 
 
 class CountingPrefixIndex(MemoryPrefixIndex):
@@ -132,6 +139,7 @@ class RequestRecord:
     output_tokens: int = 0
     preemptions: int = 0
     worker: int = 0
+    rejected: bool = False  # could never fit the worker's pool (the control plane's 400)
 
 
 @dataclass
@@ -140,6 +148,8 @@ class WorkerStats:
     busy_s: float = 0.0
     row_seconds: float = 0.0  # sum of rows x step time: the time-weighted batch size
     tokens: int = 0
+    rows: int = 0
+    empty_steps: int = 0  # plans without tokens (dropped requests only)
     kv_series: list[tuple[float, float, float]] = field(default_factory=list)
 
 
@@ -261,16 +271,21 @@ class Simulation:
         t0 = time.perf_counter()
         worker = self._place(r.prompt_ids)
         prompt_len = len(r.prompt_ids)
-        if r.ignore_eos:
-            sp = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-        else:
-            sp = SamplingParams(max_tokens=self.max_model_len - prompt_len, temperature=0.0)
         self._targets[r.req_id] = r.output_len
         self._seeds[r.req_id] = zlib.crc32(r.req_id.encode())
         self._prompt_lens[r.req_id] = prompt_len
-        worker.scheduler.add_request(Request(r.req_id, r.prompt_ids, sp, arrival_time=self.now))
+        self.records[r.req_id] = rec = RequestRecord(r, self.now, worker=worker.index)
+        try:
+            if r.ignore_eos:
+                sp = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            else:
+                sp = SamplingParams(max_tokens=self.max_model_len - prompt_len, temperature=0.0)
+            worker.scheduler.add_request(Request(r.req_id, r.prompt_ids, sp, arrival_time=self.now))
+        except InvalidRequestError:  # the real control plane answers 400
+            rec.rejected = True
+            del self._targets[r.req_id], self._seeds[r.req_id], self._prompt_lens[r.req_id]
+            return
         worker.load += prompt_len
-        self.records[r.req_id] = RequestRecord(r, self.now, worker=worker.index)
         self.cp_cpu_s += time.perf_counter() - t0
         if not worker.in_flight:
             self._send(worker)
@@ -316,6 +331,8 @@ class Simulation:
         s.busy_s += duration
         s.row_seconds += len(plan.num_scheduled_tokens) * duration
         s.tokens += plan.total_num_scheduled_tokens
+        s.rows += len(plan.num_scheduled_tokens)
+        s.empty_steps += not plan.num_scheduled_tokens
         self._push(self.now + duration, 1, worker)
 
     def _step_done(self, worker: SimWorker) -> None:

@@ -35,6 +35,7 @@ def summarize(res: SimResult) -> dict[str, Any]:
     return {
         "num_requests": len(res.records),
         "completed": len(done),
+        "rejected": sum(r.rejected for r in res.records),
         "duration_s": span,
         "request_throughput": len(done) / span,
         "output_throughput": out_tokens / span,
@@ -48,6 +49,9 @@ def summarize(res: SimResult) -> dict[str, Any]:
         # Plans sent, as the control plane counts steps (EngineLoop.counters.num_steps).
         "num_steps": sum(w.stats.steps for w in res.workers),
         "num_token_steps": sum(s.num_steps for s in stats),
+        "num_empty_steps": sum(w.stats.empty_steps for w in res.workers),
+        "mean_rows_per_step": sum(w.stats.rows for w in res.workers)
+        / max(1, sum(w.stats.steps - w.stats.empty_steps for w in res.workers)),
         "num_preemptions": sum(s.num_preemptions for s in stats),
         "num_preemptions_recompute": sum(s.num_preemptions_recompute for s in stats),
         "num_preemptions_swap": sum(s.num_preemptions_swap for s in stats),
