@@ -2,11 +2,12 @@
 
 A real worker and control plane serve a sweep of batch shapes as a client would send them
 (streaming Generate calls over gRPC, from this process): decode batches of 1..128 requests at
-short and long contexts, and single prefills of 32..4,096 tokens (chunked at the token
-budget), one group after another. The control plane writes every step's shape and timing
-(`--step-trace`: the shape is what the simulator computes for the same plan, the time runs
-from the later of the plan's send and the previous result to its result), so the steps are
-measured as they run in service, with the control plane and the client on the same cores.
+short and long contexts, single prefills of 32..4,096 tokens (chunked at the token budget),
+and requests of mixed lengths, all at once and arriving one by one, one group after another.
+The control plane writes every step's shape and timing (`--step-trace`: the shape is what the
+simulator computes for the same plan, the time runs from the later of the plan's send and the
+previous result to its result), so the steps are measured as they run in service, with the
+control plane and the client on the same cores.
 `simulator.calibrate.fit_profile` then fits the cost model's constants, and the profile is
 written as JSON.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import tempfile
@@ -61,10 +63,12 @@ def worker_info(address: str) -> dict[str, Any]:
     }
 
 
-# Served as they come: prompts and outputs of mixed lengths (lo, hi), all at once, as a
-# benchmark's requests (prefills of many short prompts packed into one step, then decode).
-MIXED = (64, (32, 256), (8, 64))
-Group = tuple[int, tuple[int, int], tuple[int, int]]  # requests, prompt and output length ranges
+# Requests, prompt and output length ranges (lo, hi), and arrivals per second (inf: at once).
+Group = tuple[int, tuple[int, int], tuple[int, int], float]
+# Served as they come: mixed lengths all at once, as a benchmark's requests (prefills of many
+# short prompts packed into one step, then decode), and the same arriving one by one (small
+# batches, a prefill now and then, the control plane busy with arrivals).
+MIXED: list[Group] = [(64, (32, 256), (8, 64), math.inf), (48, (32, 256), (32, 128), 1.0)]
 
 
 def sweep(quick: bool, decode_steps: int) -> list[Group]:
@@ -73,10 +77,10 @@ def sweep(quick: bool, decode_steps: int) -> list[Group]:
     contexts = QUICK_DECODE_CONTEXTS if quick else DECODE_CONTEXTS
     prefills = QUICK_PREFILLS if quick else PREFILLS
     groups: list[Group] = [
-        (b, (c, c), (decode_steps, decode_steps)) for c in contexts for b in batches
+        (b, (c, c), (decode_steps, decode_steps), math.inf) for c in contexts for b in batches
     ]
-    groups += [(1, (p, p), (2, 2)) for p in prefills]
-    return groups if quick else [*groups, MIXED]
+    groups += [(1, (p, p), (2, 2), math.inf) for p in prefills]
+    return groups if quick else groups + MIXED
 
 
 async def serve_requests(
@@ -135,14 +139,18 @@ def measure(
     samples: list[dict[str, Any]] = []
     warm = [[rng.randrange(3, vocab_size) for _ in range(8)]]
     asyncio.run(serve_requests(address, warm, [2], [0.0]))
-    for gi, (batch, prompt_lens, out_lens) in enumerate(groups):
+    for gi, (batch, prompt_lens, out_lens, rate) in enumerate(groups):
         done = len(read_trace(trace))
         prompts = [
             [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_lens))]
             for _ in range(batch)
         ]
         outs = [rng.randint(*out_lens) for _ in range(batch)]
-        asyncio.run(serve_requests(address, prompts, outs, [0.0] * batch))
+        arrivals = [0.0] * batch
+        if math.isfinite(rate):
+            for i in range(1, batch):
+                arrivals[i] = arrivals[i - 1] + rng.expovariate(rate)
+        asyncio.run(serve_requests(address, prompts, outs, arrivals))
         steps = read_trace(trace)[done:]
         samples += [{"group": gi, **s} for s in steps]
         print(f"  group {gi}: {batch} x prompt {prompt_lens}: {len(steps)} steps", flush=True)

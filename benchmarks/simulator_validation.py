@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.calibrate_simulator import serve_requests, worker_info
+from benchmarks.calibrate_simulator import read_trace, serve_requests, worker_info
 from benchmarks.common import (
     RESULTS_DIR,
     StackOptions,
@@ -104,11 +104,15 @@ def _simulate(
     ]
     idle = Workload(WorkloadSpec(num_requests=0, max_model_len=worker["max_model_len"]))
     s = summarize(Simulation(cfg, cost, idle).run(requests))
+    busy = s["worker_busy_frac"] * s["duration_s"]
     return {
         "output_throughput": s["output_throughput"],
         "ttft_p50_ms": s["ttft"]["p50_ms"],
         "steps": s["num_steps"],
         "preemptions": s["num_preemptions"],
+        "empty_steps": s["num_empty_steps"],
+        "mean_rows_per_step": s["mean_rows_per_step"],
+        "mean_step_ms": busy / max(1, s["num_steps"] - s["num_empty_steps"]) * 1e3,
     }
 
 
@@ -117,7 +121,12 @@ def check_reality(profile: Path, quick: bool) -> dict[str, Any]:
     # W64 holds up to 64 x 512 tokens at once: a pool of a quarter of that preempts.
     from gpu_worker.config import auto_dtype
 
-    opts = StackOptions(dtype=auto_dtype("cpu"), kv_tokens=8192)
+    trace = RESULTS_DIR / "simulator_validation_steps.jsonl"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    trace.unlink(missing_ok=True)
+    opts = StackOptions(
+        dtype=auto_dtype("cpu"), kv_tokens=8192, cp_args=("--step-trace", str(trace))
+    )
     n = 16 if quick else 64
     rng = random.Random(0)
     plens = [rng.randint(32, 256) for _ in range(n)]
@@ -140,9 +149,15 @@ def check_reality(profile: Path, quick: bool) -> dict[str, Any]:
                     arrivals.append(t)
                     t += rng.expovariate(w64_rate / 2)
             before = _counts(stack.address)
+            done = len(read_trace(trace))
             rows = asyncio.run(serve_requests(stack.address, prompts, olens, arrivals))
             after = _counts(stack.address)
             real = {**_real_summary(rows, olens), **{k: after[k] - before[k] for k in after}}
+            steps = read_trace(trace)[done:]
+            with_tokens = [s for s in steps if s["tokens"]]
+            real["empty_steps"] = len(steps) - len(with_tokens)
+            real["mean_rows_per_step"] = statistics.fmean(s["rows"] for s in with_tokens)
+            real["mean_step_ms"] = statistics.fmean(s["seconds"] for s in with_tokens) * 1e3
             if name == "W64":
                 span = max(r["end"] for r in rows)
                 w64_rate = n / span
@@ -152,6 +167,12 @@ def check_reality(profile: Path, quick: bool) -> dict[str, Any]:
                 for k in ("output_throughput", "ttft_p50_ms")
             }
             runs.append({"workload": name, "real": real, "simulated": sim, "ratios": ratios})
+            print(
+                f"  {name}: rows per step real {real['mean_rows_per_step']:.1f} / simulated "
+                f"{sim['mean_rows_per_step']:.1f}; step {real['mean_step_ms']:.1f} / "
+                f"{sim['mean_step_ms']:.1f} ms; steps without tokens {real['empty_steps']} / "
+                f"{sim['empty_steps']}"
+            )
             print(
                 f"  {name}: real {real['output_throughput']:.0f} tok/s, TTFT p50 "
                 f"{real['ttft_p50_ms']:.0f} ms, {real['steps']} steps, "
