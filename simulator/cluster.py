@@ -66,7 +66,8 @@ def next_pow2(n: int) -> int:
 class ReservingBlockManager(BlockManager):
     """Contiguous reservation, the Orca baselines of the PagedAttention paper: a request's
     first allocation takes room for `reserve(req_id)` tokens at once, held until it ends (no
-    sharing, so prefix caching is off)."""
+    sharing, so prefix caching is off). Blocks stand in for a contiguous range: the reserved
+    room is what counts, not where it lies."""
 
     def __init__(
         self,
@@ -211,13 +212,18 @@ class Simulation:
     # -- construction ----------------------------------------------------------------------------
 
     def _reservation(self, req_id: str) -> int:
+        """Tokens an Orca baseline reserves for a request: the maximum length, the prompt and
+        the next power of two of the output, or the prompt and the true output; rounded up to
+        a power of two, as the buddy allocator the paper assumes for Orca hands out memory."""
         prompt, out = self._prompt_lens[req_id], self._targets[req_id]
         a = self.config.allocation
         if a == "orca-max":
-            return self.max_model_len
-        if a == "orca-pow2":
-            return min(self.max_model_len, prompt + next_pow2(out))
-        return prompt + out
+            want = self.max_model_len
+        elif a == "orca-pow2":
+            want = prompt + next_pow2(out)
+        else:
+            want = prompt + out
+        return min(self.max_model_len, next_pow2(want))
 
     def _scheduler(self) -> Scheduler:
         c = self.config
