@@ -20,6 +20,7 @@ bounds how many workers one control-plane process can drive.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 import zlib
@@ -260,6 +261,19 @@ class Simulation:
         for r in self.workload.requests() if requests is None else requests:
             self._push(r.arrival_s, 0, r)
         events = self._events
+        # The loop allocates millions of short-lived acyclic objects (plans, deltas, results);
+        # generation-0 collections over the long-lived scheduler state cost more than they free.
+        threshold = gc.get_threshold()
+        gc.set_threshold(200_000, 50, 100)
+        try:
+            self._loop(events)
+        finally:
+            gc.set_threshold(*threshold)
+        for w in self.workers:
+            w.scheduler.check_integrity()
+        return SimResult(self, time.perf_counter() - wall)
+
+    def _loop(self, events: list[tuple[float, int, int, Any]]) -> None:
         while events:
             t, _, kind, obj = heapq.heappop(events)
             self.now = t
@@ -267,9 +281,6 @@ class Simulation:
                 self._arrive(obj)
             else:
                 self._step_done(obj)
-        for w in self.workers:
-            w.scheduler.check_integrity()
-        return SimResult(self, time.perf_counter() - wall)
 
     # -- requests --------------------------------------------------------------------------------
 
