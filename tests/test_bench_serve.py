@@ -105,6 +105,11 @@ def test_run_and_summaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     for r in report["runs"]:
         assert r["completed"] == 6 and r["failed"] == 0
         assert r["output_tokens"] == sum(q.max_tokens for q in reqs)
+        # Each request's send time, for a trace replay (pagedserve simulate --trace): at 50
+        # requests/s they are spread over the run, all at once they all start at once.
+        sent = [q["arrival_s"] for q in r["requests"]]
+        assert all(t >= 0 for t in sent)
+        assert (max(sent) > 0.02) == (r["request_rate"] == 50.0)
         assert r["output_throughput"] > 0 and r["ttft"]["p99_ms"] >= r["ttft"]["p50_ms"]
     report.update(num_prompts=6)
     assert "TTFT p99" in format_report(report)
@@ -199,6 +204,7 @@ def test_bench_serve_against_the_gateway(
     )
     assert rc == 0
     rep = json.loads(out.read_text())
+    assert rep["ignore_eos"] is True
     for r in rep["runs"]:
         assert r["completed"] == 6
         assert [q["output_tokens"] for q in r["requests"]] == [

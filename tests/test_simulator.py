@@ -358,5 +358,11 @@ def test_calibration_fits_a_profile_from_a_real_worker(tmp_path: Path) -> None:
     p = DeviceProfile.load(profile)
     assert p.fitted["model"] == "tiny" and p.fitted["dtype"] == "float32"
     assert p.fitted["median_relative_error"] < 0.5
+    # The control plane's --step-trace: one line per step, its shape and its time.
     samples = json.loads((tmp_path / "cal.json").read_text())["samples"]
     assert len(samples) > 20 and all(s["seconds"] > 0 for s in samples)
+    assert all(s["rows"] <= s["tokens"] and s["sampled_rows"] <= s["rows"] for s in samples)
+    prefills = [s for s in samples if s["tokens"] == 512]
+    assert prefills and prefills[0]["attention_pairs"] == 512 * 513 // 2
+    decodes = [s for s in samples if s["rows"] == 8 and s["tokens"] == 8]
+    assert decodes and all(s["context_tokens"] >= 8 * 64 for s in decodes)
