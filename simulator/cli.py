@@ -47,8 +47,10 @@ def register_simulate(sub: Any) -> None:
     s = sub.add_parser(
         "simulate",
         help="the real control plane on a virtual clock against GPU cost models",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Runs the control plane's scheduler, block manager and router on a "
+        "virtual clock against a cost model of a named GPU and model. Every combination of "
+        "--allocation, --routing and --rate is one run; each prints a row, and all go into "
+        "the JSON report (--out) and the plots (--plot DIR).",
     )
     hw = s.add_argument_group("hardware and model")
     hw.add_argument(
