@@ -80,10 +80,23 @@ def test_up_with_a_checkpoint_whose_worker_fails(tmp_path: Path) -> None:
 # -- busy ports ---------------------------------------------------------------------------------
 
 
+def _free_pair() -> int:
+    """A free port whose successor is free too."""
+    while True:
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+
+
 @pytest.mark.parametrize("flag", ["--port", "--grpc-port", "--worker-base-port", "--redis-port"])
 def test_up_names_the_flag_of_a_busy_port(micro_llama: Path, busy_port: int, flag: str) -> None:
     """Every port is checked before anything starts: nothing is left to stop, at once."""
-    given = {f: str(free_port()) for f in ("--port", "--grpc-port", "--worker-base-port")}
+    given = {f: str(free_port()) for f in ("--port", "--grpc-port")}
+    given["--worker-base-port"] = str(_free_pair())  # two workers: the port and the next one
     given["--redis-port"] = str(free_port())
     if flag == "--worker-base-port":  # the second worker's port is the busy one
         given[flag] = str(busy_port - 1)
