@@ -73,6 +73,10 @@ class SlotReservation:
     copies: list[BlockMove] = field(default_factory=list)
 
 
+# What most reservations are: nothing appended, nothing copied (shared: never mutated).
+_IN_PLACE = SlotReservation()
+
+
 class BlockManager:
     """Block tables, refcounts and free queues for one worker's GPU and CPU (swap) pools, and
     the prefix cache over the GPU pool."""
@@ -178,13 +182,15 @@ class BlockManager:
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's computed full GPU blocks not registered yet (call after its
         num_computed_tokens grew)."""
-        table = self._gpu_tables.get(req.req_id)
-        if not self.enable_prefix_caching or table is None:
+        if not self.enable_prefix_caching:
             return
         bs = self.block_size
         start = self._num_offered.get(req.req_id, 0)
         if req.num_computed_tokens // bs <= start:
             return  # no block filled since the last call: the common decode step
+        table = self._gpu_tables.get(req.req_id)
+        if table is None:
+            return
         req.extend_block_hashes(bs)
         end = min(req.num_computed_tokens // bs, len(req.block_hashes), len(table))
         for i in range(start, end):
@@ -282,7 +288,7 @@ class BlockManager:
             and self.gpu.refcounts[table[num_computed_tokens // bs]] == 1
         ):
             # The common decode step: the slots lie in one block the request owns alone.
-            return SlotReservation()
+            return _IN_PLACE
         if req_id in self._cpu_tables:
             raise ValueError(f"request {req_id} is swapped out; swap it in first")
         table = table or []

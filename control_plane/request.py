@@ -89,14 +89,16 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_pending_outputs: int = 0  # sampled by steps in flight, not applied yet
     beam: BeamGroup | None = None  # set on a beam of a beam search (`control_plane/beam.py`)
+    # n > 1 outside beam search: the prompt is computed once, then n children fork from it.
+    # Read on every scheduling pass; the sampling parameters never change.
+    is_fork_parent: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.req_id}: the prompt must have at least one token")
         if self.parent_id is not None and self.sampling.n != 1:
             raise ValueError(f"request {self.req_id}: a child must have n == 1")
-        # Read on every scheduling pass; the sampling parameters never change.
-        self._fork_parent = self.sampling.n > 1 and not self.sampling.beam_width
+        self.is_fork_parent = self.sampling.n > 1 and not self.sampling.beam_width
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,15 +117,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def is_fork_parent(self) -> bool:
-        return self._fork_parent
-
-    @property
     def num_tokens_to_compute(self) -> int:
         """Where num_computed_tokens is headed: all tokens (pending outputs included), or for a
         fork parent all but the last prompt token (which each child computes itself, to sample
         from)."""
-        if self._fork_parent:
+        if self.is_fork_parent:
             return len(self.prompt_token_ids) - 1
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_outputs
 

@@ -96,7 +96,7 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 1 or None, got {threshold}")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutputDelta:
     """What one step produced for one request.
 
@@ -321,31 +321,38 @@ class Scheduler:
         gets a pending output."""
         requests: dict[str, Request] = {}
         sampling: set[str] = set()
+        live = self._requests
+        prompt_tokens = 0
         for req_id, num_new in plan.num_scheduled_tokens.items():
-            req = requests[req_id] = self._requests[req_id]
+            req = requests[req_id] = live[req_id]
             start = req.num_computed_tokens
-            self._counters.prompt_tokens += max(
-                0, min(start + num_new, req.num_prompt_tokens) - start
-            )
-            req.num_computed_tokens += num_new
-            if not req.is_fork_parent and req.num_computed_tokens == req.num_tokens_to_compute:
+            end = req.num_computed_tokens = start + num_new
+            num_prompt = len(req.prompt_token_ids)
+            if start < num_prompt:
+                prompt_tokens += min(end, num_prompt) - start
+            if (
+                not req.is_fork_parent
+                and end == num_prompt + len(req.output_token_ids) + req.num_pending_outputs
+            ):  # its last token (num_tokens_to_compute): it samples
                 req.num_pending_outputs += 1
                 sampling.add(req_id)
+        self._counters.prompt_tokens += prompt_tokens
         return _InFlight(plan, requests, frozenset(sampling))
 
-    def _has_work(self, req: Request) -> bool:
-        """False for a running request whose remaining tokens are all in flight (a fork parent's
-        prompt), or whose pending outputs will end it by length."""
-        if req.num_computed_tokens >= req.num_tokens_to_compute:
-            return False
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens a running request may compute now: 0 when the rest is in flight (a fork
+        parent's prompt) or its pending outputs will end it by length."""
+        left = req.num_tokens_to_compute - req.num_computed_tokens
         pending = req.num_pending_outputs
-        if not pending:
-            return True
+        if left <= 0 or not pending:
+            return left
         num_output = len(req.output_token_ids) + pending
-        return (
+        if (
             num_output < req.sampling.max_tokens
             and len(req.prompt_token_ids) + num_output < self.config.max_model_len
-        )
+        ):
+            return left
+        return 0
 
     def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
         hold = self._hold_beam_steps()
@@ -357,14 +364,15 @@ class Scheduler:
                     return  # the group was the newest running unit, and is preempted
                 i += len(req.beam.beams)
                 continue
-            if not self._has_work(req):
+            left = self._tokens_left(req)
+            if left <= 0:
                 i += 1
                 continue
-            num_new = self._num_new_tokens(req, budget)
+            num_new = self._cap(left, budget)
             slots = self._reserve_or_preempt(plan, budget, req, num_new)
             if slots is None:
                 return  # req was the last running request
-            self._schedule_request(plan, budget, req, num_new, slots)
+            self._schedule_request(plan, budget, req, num_new, slots, chunked=num_new < left)
             i += 1
 
     def _reserve_or_preempt(
@@ -372,7 +380,9 @@ class Scheduler:
     ) -> SlotReservation | None:
         """Reserves req's slots, preempting the newest running units until they fit; None
         when req itself (or its beam group) was preempted."""
-        while (slots := self._reserve(req, num_new)) is None:
+        start = req.num_computed_tokens
+        reserve = self.block_manager.reserve_slots
+        while (slots := reserve(req.req_id, start, start + num_new)) is None:
             victims = self._pop_newest()  # never one scheduled before req
             self._preempt(victims, plan)
             budget.preempted = True
@@ -631,10 +641,9 @@ class Scheduler:
         return self._cap(left, budget)
 
     def _cap(self, num_tokens: int, budget: _StepBudget) -> int:
-        num_new = min(num_tokens, budget.tokens)
-        if self.config.long_prefill_token_threshold is not None:
-            num_new = min(num_new, self.config.long_prefill_token_threshold)
-        return num_new
+        num_new = num_tokens if num_tokens < budget.tokens else budget.tokens
+        cap = self.config.long_prefill_token_threshold
+        return num_new if cap is None or num_new <= cap else cap
 
     def _reserve(self, req: Request, num_new: int) -> SlotReservation | None:
         start = req.num_computed_tokens
@@ -653,10 +662,13 @@ class Scheduler:
         req: Request,
         num_new: int,
         slots: SlotReservation,
+        chunked: bool | None = None,
     ) -> None:
-        """Put a running request with its reserved slots into the plan."""
-        plan.copy_blocks.extend(slots.copies)
-        self._counters.copied_blocks += len(slots.copies)
+        """Put a running request with its reserved slots into the plan; `chunked`: whether
+        num_new falls short of its last token, when the caller knows."""
+        if slots.copies:
+            plan.copy_blocks.extend(slots.copies)
+            self._counters.copied_blocks += len(slots.copies)
         if req.req_id in self._unsent:
             self._unsent.remove(req.req_id)
             plan.new_requests.append(
@@ -681,7 +693,9 @@ class Scheduler:
                 )
         plan.num_scheduled_tokens[req.req_id] = num_new
         budget.tokens -= num_new
-        budget.chunked |= req.num_computed_tokens + num_new < req.num_tokens_to_compute
+        if chunked is None:
+            chunked = req.num_computed_tokens + num_new < req.num_tokens_to_compute
+        budget.chunked |= chunked
 
     def _fork(self, parent: Request) -> list[Request]:
         """Replace a fork parent, in the running queue, by its n children sharing its blocks."""
@@ -762,11 +776,12 @@ class Scheduler:
             return []
         in_flight = self._in_flight[0]
         live: list[tuple[Request, int, bool]] = []
+        unfinished, stepped, sampling = self._requests, in_flight.requests, in_flight.sampling
         for req_id, num_new in plan.num_scheduled_tokens.items():
-            req = in_flight.requests[req_id]
-            if self._requests.get(req_id) is not req:
+            req = stepped[req_id]
+            if unfinished.get(req_id) is not req:
                 continue  # finished (or forked) from outside while the step ran
-            due = req_id in in_flight.sampling
+            due = req_id in sampling
             if due != (req_id in result.sampled):
                 raise ValueError(
                     f"step {plan.step_id}: request {req_id} "
@@ -777,10 +792,11 @@ class Scheduler:
 
         outputs: list[RequestOutputDelta] = []
         groups: dict[BeamGroup, dict[str, SampledToken]] = {}
-        for req, num_new, due in live:
-            self._counters.computed_tokens += num_new
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        self._counters.computed_tokens += sum(num_new for _, num_new, _ in live)
+        for req, _, due in live:
             if req.status is RequestStatus.RUNNING:  # else preempted while the step ran
-                self.block_manager.cache_full_blocks(req)
+                cache_full_blocks(req)
                 if req.is_fork_parent and req.num_computed_tokens == req.num_tokens_to_compute:
                     self._fork(req)
                     continue

@@ -359,11 +359,12 @@ class Simulation:
         if plan.num_scheduled_tokens:
             targets, seeds, tokens, eos = self._targets, self._seeds, self._tokens, self._eos
             sampled: dict[str, SampledToken] = {}
+            get_request = sched.get_request
             for req_id in sampling:
-                req = sched.get_request(req_id)
+                req = get_request(req_id)
                 if req is None:  # ended from outside while the step ran
                     continue
-                k = req.num_output_tokens
+                k = len(req.output_token_ids)
                 sampled[req_id] = (
                     eos if k + 1 >= targets[req_id] else tokens[(seeds[req_id] + k) % NUM_IDS]
                 )
