@@ -84,11 +84,15 @@ def sweep(quick: bool, decode_steps: int) -> list[Group]:
 
 
 async def serve_requests(
-    address: str, prompts: list[list[int]], output_lens: list[int], arrivals: list[float]
+    address: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    arrivals: list[float],
+    ids: list[str] | None = None,
 ) -> list[dict[str, float]]:
     """Sends each request at its arrival time (seconds from now) as a streaming Generate with
     ignore_eos; per request its send time, first-token time and end (seconds from the
-    start)."""
+    start), and the start itself (`t0`, perf_counter seconds: the clock of `--step-trace`)."""
     import grpc
 
     from protos.v1 import common_pb2
@@ -98,12 +102,15 @@ async def serve_requests(
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.ControlPlaneStub(channel)
 
-        async def one(prompt: list[int], n: int, at: float, t0: float) -> dict[str, float]:
+        async def one(
+            prompt: list[int], n: int, at: float, t0: float, req_id: str
+        ) -> dict[str, float]:
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             req = pb.GenerateRequest(
-                sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                request_id=req_id,
+                sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
             )
             req.token_ids.ids.extend(prompt)
             sent = time.perf_counter() - t0
@@ -115,12 +122,18 @@ async def serve_requests(
                 tokens += len(msg.token_ids)
             if tokens != n:
                 raise RuntimeError(f"asked for {n} tokens, got {tokens}")
-            return {"sent": sent, "first": first or 0.0, "end": time.perf_counter() - t0}
+            end = time.perf_counter() - t0
+            return {"sent": sent, "first": first or 0.0, "end": end, "t0": t0}
 
         t0 = time.perf_counter()
         return list(
             await asyncio.gather(
-                *(one(p, n, a, t0) for p, n, a in zip(prompts, output_lens, arrivals, strict=True))
+                *(
+                    one(p, n, a, t0, i)
+                    for p, n, a, i in zip(
+                        prompts, output_lens, arrivals, ids or [""] * len(prompts), strict=True
+                    )
+                )
             )
         )
 

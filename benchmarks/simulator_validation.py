@@ -78,10 +78,12 @@ def _simulate(
     prompts: list[list[int]],
     output_lens: list[int],
     arrivals: list[float],
+    replay: list[float] | None = None,
 ) -> dict[str, Any]:
+    """The run simulated with the fitted profile, or with `replay`: the real steps' times."""
     from simulator.cluster import Simulation
     from simulator.config import SimConfig
-    from simulator.cost import CostModel, DeviceProfile
+    from simulator.cost import CostModel, DeviceProfile, ReplayedCost
     from simulator.hardware import ModelShape
     from simulator.report import summarize
     from simulator.workload import SimRequest, Workload, WorkloadSpec
@@ -90,6 +92,8 @@ def _simulate(
     shape = ModelShape.from_hf_config(model)
     shape = ModelShape(**{**vars(shape), "dtype_bytes": 4 if dtype == "float32" else 2})
     cost = CostModel(profile, shape, 1, worker["block_size"])
+    if replay is not None:
+        cost = ReplayedCost(cost, replay)
     cfg = SimConfig(
         num_workers=1,
         block_size=worker["block_size"],
@@ -150,7 +154,8 @@ def check_reality(profile: Path, quick: bool) -> dict[str, Any]:
                     t += rng.expovariate(w64_rate / 2)
             before = _counts(stack.address)
             done = len(read_trace(trace))
-            rows = asyncio.run(serve_requests(stack.address, prompts, olens, arrivals))
+            ids = [f"{name}-{i}" for i in range(n)]
+            rows = asyncio.run(serve_requests(stack.address, prompts, olens, arrivals, ids))
             after = _counts(stack.address)
             real = {**_real_summary(rows, olens), **{k: after[k] - before[k] for k in after}}
             steps = read_trace(trace)[done:]
@@ -162,11 +167,36 @@ def check_reality(profile: Path, quick: bool) -> dict[str, Any]:
                 span = max(r["end"] for r in rows)
                 w64_rate = n / span
             sim = _simulate(profile, model, dtype, worker, opts, prompts, olens, arrivals)
+            # The same run again with the real steps' times, the requests' real send times
+            # and the order the control plane took them in (requests sent at once arrive in
+            # any order): what is left is the scheduling, the same code on both sides.
+            order = list(dict.fromkeys(ids.index(r) for s in steps for r in s["new"]))
+            start = min(r["t0"] + r["sent"] for r in rows)
+            sent = sorted(r["t0"] + r["sent"] - start for r in rows)
+            replayed = _simulate(
+                profile,
+                model,
+                dtype,
+                worker,
+                opts,
+                [prompts[i] for i in order],
+                [olens[i] for i in order],
+                sent,
+                replay=[s["seconds"] for s in steps],
+            )
             ratios = {
                 k: sim[k] / real[k] if real[k] else (1.0 if sim[k] == 0 else math.inf)
                 for k in ("output_throughput", "ttft_p50_ms")
             }
-            runs.append({"workload": name, "real": real, "simulated": sim, "ratios": ratios})
+            runs.append(
+                {
+                    "workload": name,
+                    "real": real,
+                    "simulated": sim,
+                    "ratios": ratios,
+                    "replayed": replayed,
+                }
+            )
             print(
                 f"  {name}: rows per step real {real['mean_rows_per_step']:.1f} / simulated "
                 f"{sim['mean_rows_per_step']:.1f}; step {real['mean_step_ms']:.1f} / "
@@ -178,6 +208,11 @@ def check_reality(profile: Path, quick: bool) -> dict[str, Any]:
                 f"{real['ttft_p50_ms']:.0f} ms, {real['steps']} steps, "
                 f"{real['preemptions']} preemptions; simulated {sim['output_throughput']:.0f}, "
                 f"{sim['ttft_p50_ms']:.0f} ms, {sim['steps']}, {sim['preemptions']}",
+                flush=True,
+            )
+            print(
+                f"  {name}: with the real step times, simulated {replayed['steps']} steps, "
+                f"{replayed['preemptions']} preemptions",
                 flush=True,
             )
     return {"model": "smollm2", "dtype": dtype, "worker": worker, "runs": runs}
@@ -283,12 +318,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{run['ratios']['ttft_p50_ms']:.2f}",
                 f"{run['real']['steps']} / {run['simulated']['steps']}",
                 f"{run['real']['preemptions']} / {run['simulated']['preemptions']}",
+                f"{run['replayed']['steps']} / {run['replayed']['preemptions']}",
             ]
             for run in r["runs"]
         ]
         headers = [
             "workload", "real tok/s", "sim tok/s", "ratio", "real TTFT p50", "sim TTFT p50",
             "ratio", "steps real/sim", "preemptions real/sim",
+            "replayed step times: steps / preemptions",
         ]  # fmt: skip
         print(format_table(headers, rows))
         ok = all(abs(v - 1) <= TOLERANCE for run in r["runs"] for v in run["ratios"].values())

@@ -486,8 +486,9 @@ class EngineLoop:
     def trace_steps(self, path: str) -> None:
         """Appends one JSON line per step to `path`: the worker, the step's shape
         (`Scheduler.plan_shape`), when it was sent and its result read (perf_counter
-        seconds), the worker's own time, and `seconds`: from the later of its send and the
-        previous result to its result, the step's length as the control plane sees it."""
+        seconds), the worker's own time, `seconds`: from the later of its send and the
+        previous result to its result, the step's length as the control plane sees it, and
+        `new`: the requests the worker gets whole in it (first scheduled, or resumed)."""
         self._trace = open(path, "a", buffering=1)  # noqa: SIM115 - closed with the process
 
     def _write_trace(self, plan: StepPlan, result: StepResult) -> None:
@@ -504,6 +505,7 @@ class EngineLoop:
                 "received": now,
                 "seconds": now - start,
                 "worker_seconds": result.total_time_s,
+                "new": [r.req_id for r in plan.new_requests],
             }
             self._trace.write(json.dumps(line) + "\n")
         self._last_result_at = now

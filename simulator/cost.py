@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,19 @@ class CostModel:
 
     def num_cpu_blocks(self, swap_space_bytes: float) -> int:
         return math.floor(swap_space_bytes / self._block_bytes)
+
+
+class ReplayedCost(CostModel):
+    """A real run's step times in step order, in place of the roofline: a one-worker
+    simulation of that run with them differs from it only where the scheduler saw different
+    arrivals between steps. Steps past the replayed ones fall back to the roofline."""
+
+    def __init__(self, base: CostModel, seconds: Sequence[float]) -> None:
+        super().__init__(base.profile, base.model, base.tp, base.block_size)
+        self._seconds = list(seconds)
+        self._next = 0
+
+    def step_time(self, s: StepShape) -> float:
+        i = self._next
+        self._next += 1
+        return self._seconds[i] if i < len(self._seconds) else super().step_time(s)

@@ -20,6 +20,9 @@ from tests.gateway_stack import gateway_process
 from tests.procs import ServerProcess
 from tests.stack import request, start_stack
 
+# Wall-clock bounds: run alone (`make test` runs these after the rest).
+pytestmark = pytest.mark.serial
+
 
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:

@@ -19,6 +19,9 @@ import pytest
 from tests.gateway_stack import HttpProcess, Processes
 from tests.procs import free_port
 
+# Wall-clock bounds: run alone (`make test` runs these after the rest).
+pytestmark = pytest.mark.serial
+
 LIMIT = 64 << 10
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
 

@@ -216,6 +216,7 @@ def test_request_id_echoed_and_logged(gs: GatewayStack) -> None:
     assert r.status_code == 200 and r.headers["x-request-id"] != "a b"
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_client_dropping_mid_stream_frees_its_blocks(gs: GatewayStack) -> None:
     assert gs.wait_all_blocks_free(2.0)
     aborted = gs.stack.stats().num_requests_aborted
@@ -235,6 +236,7 @@ def test_client_dropping_mid_stream_frees_its_blocks(gs: GatewayStack) -> None:
     assert gs.stack.stats().num_requests_aborted >= aborted + 1  # one request, n = 2
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_client_dropping_while_waiting_for_whole_answer(gs: GatewayStack) -> None:
     assert gs.wait_all_blocks_free(2.0)
     body = {"prompt": PROMPT, "max_tokens": 1800, **IGNORE_EOS}
@@ -245,6 +247,11 @@ def test_client_dropping_while_waiting_for_whole_answer(gs: GatewayStack) -> Non
 
 def test_metrics(gs: GatewayStack, client: OpenAI) -> None:
     client.completions.create(model="", prompt=PROMPT, max_tokens=4, extra_body=IGNORE_EOS)
+    # Inter-token latencies come from streams only (a whole answer is one message).
+    stream = client.completions.create(
+        model="", prompt=PROMPT, max_tokens=4, stream=True, extra_body=IGNORE_EOS
+    )
+    assert sum(len(c.choices[0].text) > 0 for c in stream) > 1
     text = httpx.get(f"{gs.url}/metrics").text
     samples = {
         s.name: s.value

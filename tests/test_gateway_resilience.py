@@ -23,6 +23,9 @@ from tests.gateway_stack import HttpProcess, Processes
 from tests.procs import ServerProcess, free_port
 from tests.stack import Stack, start_stack
 
+# Wall-clock bounds: run alone (`make test` runs these after the rest).
+pytestmark = pytest.mark.serial
+
 TOKEN = "resilience-token"
 ENV = {"PAGEDSERVE_GRPC_TOKEN": TOKEN}
 

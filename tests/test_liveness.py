@@ -24,6 +24,9 @@ from tests.oracle import hf_greedy
 from tests.procs import ServerProcess, free_port
 from tests.stack import Stack, generate, greedy_to_length, start_stack, worker_cli_args
 
+# Wall-clock bounds: run alone (`make test` runs these after the rest).
+pytestmark = pytest.mark.serial
+
 
 def health_status(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:

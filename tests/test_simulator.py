@@ -346,6 +346,7 @@ def test_simulate_command_writes_a_report_and_plots(tmp_path: Path) -> None:
     assert nothing.returncode != 0 and "--duration or --num-requests" in nothing.stderr
 
 
+@pytest.mark.serial  # fits measured step times
 def test_calibration_fits_a_profile_from_a_real_worker(tmp_path: Path) -> None:
     profile = tmp_path / "cpu.json"
     cmd = [

@@ -16,6 +16,9 @@ from tests.gateway_stack import gateway_process
 from tests.procs import ServerProcess
 from tests.stack import start_stack
 
+# Wall-clock bounds: run alone (`make test` runs these after the rest).
+pytestmark = pytest.mark.serial
+
 STALL_S = 1
 
 

@@ -19,6 +19,9 @@ from tests.gateway_stack import gateway_process
 from tests.procs import ServerProcess, free_port
 from tests.stack import Stack, generate, request, worker_cli_args
 
+# Wall-clock bounds: run alone (`make test` runs these after the rest).
+pytestmark = pytest.mark.serial
+
 PROMPT = [5, 6, 7]
 
 
