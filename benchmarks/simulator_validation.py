@@ -120,7 +120,7 @@ def _simulate(
     }
 
 
-def check_reality(profile: Path, quick: bool) -> dict[str, Any]:
+def check_reality(profile: Path, quick: bool, kv_tokens: int = 8192) -> dict[str, Any]:
     model = model_dir("smollm2")
     # W64 holds up to 64 x 512 tokens at once: a pool of a quarter of that preempts.
     from gpu_worker.config import auto_dtype
@@ -129,7 +129,7 @@ def check_reality(profile: Path, quick: bool) -> dict[str, Any]:
     trace.parent.mkdir(parents=True, exist_ok=True)
     trace.unlink(missing_ok=True)
     opts = StackOptions(
-        dtype=auto_dtype("cpu"), kv_tokens=8192, cp_args=("--step-trace", str(trace))
+        dtype=auto_dtype("cpu"), kv_tokens=kv_tokens, cp_args=("--step-trace", str(trace))
     )
     n = 16 if quick else 64
     rng = random.Random(0)
@@ -299,13 +299,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the fitted cpu profile (python -m benchmarks.calibrate_simulator)",
     )
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=8192,
+        help="the real worker's KV pool in tokens (8192: W64 preempts)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "simulator_validation.json")
     a = p.parse_args(argv)
     checks = {c.strip() for c in a.checks.split(",") if c.strip()}
     report: dict[str, Any] = {"benchmark": "simulator_validation", "machine": machine()}
     if "reality" in checks:
         print("reality: SmolLM2 on this machine against its simulation")
-        r = check_reality(a.profile, a.quick)
+        r = check_reality(a.profile, a.quick, a.kv_tokens)
         report["reality"] = r
         rows = [
             [
