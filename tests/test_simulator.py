@@ -19,7 +19,7 @@ from pagedserve.plan import StepShape
 from simulator.calibrate import fit_profile
 from simulator.cluster import Simulation, next_pow2
 from simulator.config import SimConfig
-from simulator.cost import CostModel, DeviceProfile, resolve_profile
+from simulator.cost import CostModel, DeviceProfile, ReplayedCost, resolve_profile
 from simulator.hardware import MODELS, ModelShape, resolve_gpu, resolve_model
 from simulator.report import summarize, sustained_rate
 from simulator.workload import LENGTHS, SimRequest, Workload, WorkloadSpec, trace_requests
@@ -235,6 +235,31 @@ def test_async_scheduling_plans_ahead() -> None:
     assert s["num_token_steps"] < a["num_token_steps"] <= s["num_token_steps"] + 2
 
 
+def test_replayed_step_times_give_the_same_run() -> None:
+    """ReplayedCost prices the k-th step with the k-th time given: a run's own step times,
+    replayed, make the same steps, preemptions and latencies; past them, the roofline."""
+    times: list[float] = []
+
+    class Recording(CostModel):
+        def step_time(self, s: StepShape) -> float:
+            times.append(super().step_time(s))
+            return times[-1]
+
+    profile, model = DeviceProfile.for_gpu("A100-80GB"), resolve_model("llama-3-8b")
+    spec = WorkloadSpec(num_requests=60, rate=30.0, max_model_len=2048, seed=5)
+    cfg = SimConfig(max_model_len=2048, num_gpu_blocks=400)
+    first = summarize(Simulation(cfg, Recording(profile, model), Workload(spec)).run())
+    assert first["num_preemptions"] > 0 and len(times) == first["num_steps"]
+    base = CostModel(profile, model)
+    for given in (times, times[: len(times) // 2]):
+        again = summarize(Simulation(cfg, ReplayedCost(base, given), Workload(spec)).run())
+        for key in ("num_steps", "num_preemptions", "output_tokens", "ttft"):
+            assert again[key] == first[key], key
+    doubled = ReplayedCost(base, [2 * t for t in times])
+    slower = summarize(Simulation(cfg, doubled, Workload(spec)).run())
+    assert slower["duration_s"] > first["duration_s"]
+
+
 def test_the_same_seed_gives_the_same_run() -> None:
     spec = WorkloadSpec(num_requests=200, rate=20.0, max_model_len=4096, seed=3)
     a = _sim(spec=spec, num_workers=2)
@@ -363,6 +388,9 @@ def test_calibration_fits_a_profile_from_a_real_worker(tmp_path: Path) -> None:
     samples = json.loads((tmp_path / "cal.json").read_text())["samples"]
     assert len(samples) > 20 and all(s["seconds"] > 0 for s in samples)
     assert all(s["rows"] <= s["tokens"] and s["sampled_rows"] <= s["rows"] for s in samples)
+    # Each request reaches the worker whole once (no preemption in this sweep).
+    new = [r for s in samples for r in s["new"]]
+    assert len(new) == len(set(new)) > 20
     # A lone 512-token prompt (a prefill group); 8 prompts of 64 may pack into 512 tokens too.
     prefills = [s for s in samples if s["tokens"] == 512 and s["rows"] == 1]
     assert prefills and prefills[0]["attention_pairs"] == 512 * 513 // 2
