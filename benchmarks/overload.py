@@ -3,7 +3,8 @@
 Phases, one `up` for all of them:
 
 1. **Unloaded**: streamed requests one at a time (mixed lengths): TTFT p50 / p99.
-2. **Capacity**: a burst of requests at once; completed requests per second.
+2. **Capacity**: `--clients` closed-loop clients for `--capacity-seconds` (each sends its next
+   request when the last ends, or after a 429's Retry-After); completed requests per second.
 3. **Overload**: Poisson arrivals at `--overload` × capacity for `--duration` seconds, mixed
    lengths; a share of the clients disconnect mid-stream, another share abort before their
    first token. Reported: status counts (200 / 429 / 5xx), the 429s' latency, the admitted
@@ -16,6 +17,9 @@ Phases, one `up` for all of them:
 6. **Amplification**: one small request asking for prompts × n × max_tokens × logprobs far
    beyond the request budget: its status and size, and the memory it cost.
 
+The server runs with `--max-queue-delay` (the benchmark's flag of that name; `off` drops it):
+admission refuses what would wait longer than that for its first token behind the others.
+
     python -m benchmarks.overload --preset tiny
     python -m benchmarks.overload --preset smollm2 --duration 60
 """
@@ -27,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import time
@@ -56,6 +61,7 @@ class Outcome:
     status: int = 0
     kind: str = "normal"  # normal | disconnect | abort
     status_s: float = 0.0  # until the response's status line
+    retry_after_s: float = 0.0
     ttft_s: float | None = None
     tokens: int = 0
     error: str = ""
@@ -118,6 +124,7 @@ async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any], kind: s
             out.status = r.status_code
             out.status_s = time.monotonic() - start
             if r.status_code != 200:
+                out.retry_after_s = float(r.headers.get("retry-after", 0))
                 await r.aread()
                 out.error = r.text[:200]
                 return out
@@ -146,12 +153,27 @@ async def sequential(url: str, bodies: list[dict[str, Any]]) -> list[Outcome]:
         return [await one(client, url, b, "normal") for b in bodies]
 
 
-async def burst(url: str, bodies: list[dict[str, Any]]) -> tuple[list[Outcome], float]:
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+async def closed_loop(
+    url: str, clients: int, seconds: float, vocab: int, seed: int
+) -> tuple[list[Outcome], float]:
+    """`clients` clients, each sending its next request as soon as the last one ended (after
+    a 429, once its Retry-After has passed), until `seconds` have passed; every outcome, and
+    the wall time until the last request ended."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    outs: list[Outcome] = []
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.monotonic()
-        outs = await asyncio.gather(*(one(client, url, b, "normal") for b in bodies))
-        return list(outs), time.monotonic() - start
+
+        async def run() -> None:
+            while time.monotonic() - start < seconds:
+                out = await one(client, url, body_for(rng, vocab), "normal")
+                outs.append(out)
+                if out.status == 429:
+                    await asyncio.sleep(out.retry_after_s)
+
+        await asyncio.gather(*(run() for _ in range(clients)))
+        return outs, time.monotonic() - start
 
 
 async def poisson(
@@ -238,9 +260,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny", help="tiny | small | smollm2")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of overload")
     p.add_argument("--overload", type=float, default=4.0, help="offered load / capacity")
-    p.add_argument("--burst", type=int, default=64, help="requests of the capacity burst")
+    p.add_argument("--clients", type=int, default=64, help="closed-loop clients for capacity")
+    p.add_argument("--capacity-seconds", type=float, default=20.0)
+    p.add_argument("--unloaded", type=int, default=50, help="sequential requests, unloaded")
+    p.add_argument(
+        "--max-queue-delay", default="0.02", help="the server's --max-queue-delay (s, or off)"
+    )
     p.add_argument("--slow-readers", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--server-args", default="", help="more `pagedserve up` flags, e.g. '--num-threads 1'"
+    )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -254,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--grpc-port", str(ports["control-plane"]),
             "--worker-base-port", str(ports["worker"]),
             "--stream-stall-timeout", str(STALL_TIMEOUT_S),
+            *(["--max-queue-delay", a.max_queue_delay] if a.max_queue_delay != "off" else []),
+            *shlex.split(a.server_args),
         ],
     )  # fmt: skip
     url = f"http://127.0.0.1:{ports['gateway']}"
@@ -269,15 +301,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(sequential(url, [body_for(rng, vocab) for _ in range(3)]))  # warm-up
 
         # 1. unloaded
-        unloaded = asyncio.run(sequential(url, [body_for(rng, vocab) for _ in range(20)]))
+        unloaded = asyncio.run(sequential(url, [body_for(rng, vocab) for _ in range(a.unloaded)]))
         ttft0 = [o.ttft_s for o in unloaded if o.ttft_s is not None]
         report["unloaded"] = {"ttft_p50_s": pct(ttft0, 50), "ttft_p99_s": pct(ttft0, 99)}
 
         # 2. capacity
-        outs, wall = asyncio.run(burst(url, [body_for(rng, vocab) for _ in range(a.burst)]))
+        outs, wall = asyncio.run(closed_loop(url, a.clients, a.capacity_seconds, vocab, a.seed + 2))
         done = sum(o.status == 200 for o in outs)
         capacity = done / wall
-        report["capacity"] = {"requests": a.burst, "completed": done, "wall_s": wall,
+        report["capacity"] = {"clients": a.clients, "completed": done, "wall_s": wall,
+                              "rejected": sum(o.status == 429 for o in outs),
                               "requests_per_s": capacity}  # fmt: skip
 
         # 3. overload

@@ -26,6 +26,9 @@ class ControlPlaneConfig:
     long_prefill_token_threshold: int | None = None
     preemption: Literal["recompute", "swap"] = "recompute"
     max_waiting: int | None = None  # None: as many as the healthy workers' pools hold
+    # A request expected to wait longer than this for its first token because of the others
+    # is refused at once (control_plane.admission); None: no such bound.
+    max_queue_delay_s: float | None = None
     tokenizer: str | None = None  # defaults to the model path the worker reports
     served_model_name: str | None = None
     worker_connect_timeout_s: float = 300.0  # for the first worker at startup; 0: no limit
@@ -55,6 +58,8 @@ class ControlPlaneConfig:
         if self.max_waiting is not None and self.max_waiting < 1:
             # 0 would refuse every request: admission comes before a request can run.
             raise ValueError("max_waiting must be >= 1 (or auto)")
+        if self.max_queue_delay_s is not None and not self.max_queue_delay_s > 0:
+            raise ValueError("max_queue_delay_s must be > 0 (or None)")
         if self.max_request_tokens < 1 or self.max_logprob_entries < 1:
             raise ValueError("max_request_tokens and max_logprob_entries must be >= 1")
         if self.grammar_compile_timeout_s <= 0:

@@ -19,6 +19,7 @@ from typing import TextIO
 
 import grpc
 
+from control_plane.admission import StepCost, queue_delay
 from control_plane.block_manager import (
     AllBlocksCleared,
     BlockEvent,
@@ -222,8 +223,10 @@ class EngineLoop:
         self._silent = False  # out of placement for silence alone, not lost yet
         self._lost: tuple[str, bool] | None = None  # (why, hand off at once), for the run loop
         self._trace: TextIO | None = None  # --step-trace
-        self._traced: dict[int, tuple[StepShape, float]] = {}  # step id -> (shape, sent at)
+        self._traced: dict[int, StepShape] = {}  # step id -> shape
+        self._sent_at: dict[int, float] = {}  # step id -> when it was sent (perf_counter)
         self._last_result_at = 0.0
+        self.step_cost = StepCost()  # the worker's recent steps, for admission's queue delay
 
     def _new_scheduler(self) -> Scheduler:
         bm = BlockManager(
@@ -380,6 +383,29 @@ class EngineLoop:
         tokens = sum(p.total_num_scheduled_tokens for p in self._in_flight)
         return max(self._step_s, tokens * self._token_s)
 
+    def _drop_in_flight(self) -> None:
+        self._in_flight.clear()
+        self._sent_at.clear()
+
+    def queue_delay_s(self, prompt_tokens: int, seats: int) -> float:
+        """Seconds a request of this many prompt tokens added now would wait for its first
+        token because of the others (`control_plane.admission.queue_delay`)."""
+        now = time.perf_counter()
+        elapsed = 0.0
+        if self._in_flight:
+            sent = self._sent_at.get(self._in_flight[0].step_id, now)
+            elapsed = now - max(sent, self._last_result_at)
+        return queue_delay(
+            self.step_cost,
+            self.scheduler.config,
+            self.scheduler.backlog(),
+            (p.total_num_scheduled_tokens for p in self._in_flight),
+            elapsed,
+            prompt_tokens,
+            seats,
+            -(-prompt_tokens // self.info.block_size),
+        )
+
     def _lose(self, why: str, hand_off_now: bool) -> None:
         """Gives the worker up: the run loop moves its requests (after the failover wait for a
         worker that may restart, at once for one that was silent that long already), and the
@@ -403,7 +429,7 @@ class EngineLoop:
             if self._lost is not None:
                 why, hand_off_now = self._lost
                 self._lost = None
-                self._in_flight.clear()
+                self._drop_in_flight()
                 await self._on_worker_lost(
                     WorkerError(f"worker {self.client.address}: {why}"), hand_off_now
                 )
@@ -412,13 +438,13 @@ class EngineLoop:
                 await self.step()
                 self._consecutive_failures = 0
             except WorkerError as exc:
-                self._in_flight.clear()
+                self._drop_in_flight()
                 if self._lost is not None:  # the watcher gave the worker up during the step
                     continue
                 await self._on_worker_error(exc)
             except Exception as exc:  # a bug must fail its requests, never stop this loop
                 log.exception("engine_step_failed", worker=self.client.address)
-                self._in_flight.clear()
+                self._drop_in_flight()
                 self.client.reset_stream()
                 self._fail_all(exc)
             # Let Generate handlers and aborts in between steps.
@@ -469,13 +495,20 @@ class EngineLoop:
         plan = self._in_flight[0]
         result = await self.client.receive(plan)
         self._last_answer = self._waiting_since = time.monotonic()
+        now = time.perf_counter()
+        # The step's length as the control plane sees it: from the later of its send and the
+        # previous result to its own.
+        sent = self._sent_at.pop(plan.step_id, now)
+        seconds = now - max(sent, self._last_result_at)
+        self._last_result_at = now
+        self.step_cost.observe(plan.total_num_scheduled_tokens, seconds)
         self._step_s = max(result.total_time_s, 0.9 * self._step_s)
         per_token = result.total_time_s / max(1, plan.total_num_scheduled_tokens)
         self._token_s = max(per_token, 0.9 * self._token_s)
         self._in_flight.popleft()
         self.counters.num_steps += 1
         if self._trace is not None:
-            self._write_trace(plan, result)
+            self._write_trace(plan, result, sent, now, seconds)
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result.prompt_logprobs)
         deltas = self.scheduler.update(plan, result)
@@ -491,24 +524,23 @@ class EngineLoop:
         `new`: the requests the worker gets whole in it (first scheduled, or resumed)."""
         self._trace = open(path, "a", buffering=1)  # noqa: SIM115 - closed with the process
 
-    def _write_trace(self, plan: StepPlan, result: StepResult) -> None:
+    def _write_trace(
+        self, plan: StepPlan, result: StepResult, sent: float, now: float, seconds: float
+    ) -> None:
         assert self._trace is not None
-        shape, sent = self._traced.pop(plan.step_id, (None, 0.0))
-        now = time.perf_counter()
+        shape = self._traced.pop(plan.step_id, None)
         if shape is not None:
-            start = max(sent, self._last_result_at)
             line = {
                 "worker": self.client.address,
                 "step": plan.step_id,
                 **dataclasses.asdict(shape),
                 "sent": sent,
                 "received": now,
-                "seconds": now - start,
+                "seconds": seconds,
                 "worker_seconds": result.total_time_s,
                 "new": [r.req_id for r in plan.new_requests],
             }
             self._trace.write(json.dumps(line) + "\n")
-        self._last_result_at = now
 
     async def _schedule_and_send(self) -> bool:
         """Sends the next plan; False when there is nothing to send."""
@@ -523,8 +555,9 @@ class EngineLoop:
         self._step_id += 1
         plan.step_id = self._step_id
         if self._trace is not None:
-            self._traced[plan.step_id] = (scheduler.plan_shape(plan), time.perf_counter())
+            self._traced[plan.step_id] = scheduler.plan_shape(plan)
         await self.client.send(plan)
+        self._sent_at[plan.step_id] = time.perf_counter()
         if not self._in_flight:
             self._waiting_since = time.monotonic()
         self._in_flight.append(plan)

@@ -8,6 +8,7 @@ ControlPlane service.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -259,6 +260,7 @@ class ControlPlane:
         # Checked after the last await, so nothing can slip in between check and add.
         if any(req_id in lp.streams for lp in self.loops):
             raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id} is running")
+        loop = self._within_queue_delay(loop, n, max(1, sampling.beam_width or sampling.n))
         waiting = sum(lp.scheduler.num_waiting for lp in self.loops)
         # A beam search holds up to beam_width sequences (and counts them while they wait).
         limit = self.waiting_limit((n + sampling.max_tokens) * max(1, sampling.beam_width))
@@ -270,6 +272,32 @@ class ControlPlane:
                 "--max-waiting sets it); retry later",
             )
         return loop
+
+    def _within_queue_delay(self, loop: EngineLoop, prompt_tokens: int, seats: int) -> EngineLoop:
+        """The placed worker, or the healthy one where the request would wait least, if it
+        would wait no longer than --max-queue-delay for its first token; else 429 at once."""
+        limit = self.config.max_queue_delay_s
+        if limit is None:
+            return loop
+        delay = loop.queue_delay_s(prompt_tokens, seats)
+        if delay > limit:
+            for other in self.loops:
+                if other is not loop and other.healthy:
+                    d = other.queue_delay_s(prompt_tokens, seats)
+                    if d < delay:
+                        loop, delay = other, d
+        if delay <= limit:
+            return loop
+        why = (
+            "no seat or KV space is free until a running request finishes"
+            if math.isinf(delay)
+            else f"its first token would wait about {delay * 1e3:.0f} ms behind other requests"
+        )
+        raise AdmissionError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the server is at capacity: {why}, more than --max-queue-delay "
+            f"({limit * 1e3:g} ms) allows; retry later",
+        )
 
     def check_budget(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         """Refuses a request that asks for more generated tokens (n x max_tokens) or more

@@ -147,6 +147,18 @@ class SchedulerStats:
         return self.num_preemptions_recompute + self.num_preemptions_swap
 
 
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """What a request added now finds ahead of it: the work that admission's queue-delay
+    estimate prices (`control_plane.admission`)."""
+
+    rows: int  # running requests: at least one token each in every step
+    prefill_tokens: int  # tokens to compute before they decode: waiting, swapped, mid-prefill
+    seats: int  # max_num_seqs seats held or asked for by every unfinished request
+    blocks_needed: int  # KV blocks the waiting requests will take when they start
+    free_blocks: int
+
+
 @dataclass(frozen=True)
 class _InFlight:
     """A plan awaiting update(): the requests it scheduled, and the ids of those due to sample."""
@@ -930,6 +942,24 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
+
+    def backlog(self) -> Backlog:
+        """The work ahead of a request added now (FCFS: everything already here)."""
+        prefill = 0
+        for r in self.running:
+            prefill += max(0, r.num_tokens_to_compute - r.num_computed_tokens - 1)
+        seats = self._running_seats()
+        bm = self.block_manager
+        blocks = 0
+        for r in self.swapped:
+            seats += r.beam.width if r.beam is not None else r.sampling.n
+            prefill += max(0, r.num_tokens_to_compute - r.num_computed_tokens - 1)
+            blocks += len(bm.get_cpu_block_ids(r.req_id))
+        for r in self.waiting:
+            seats += r.beam.width if r.beam is not None else r.sampling.n
+            prefill += r.num_tokens_to_compute - r.num_computed_tokens
+            blocks += bm.num_blocks_for(r.num_tokens)
+        return Backlog(len(self.running), prefill, seats, blocks, bm.num_free_gpu_blocks)
 
     def sampling_rows(self, plan: StepPlan) -> frozenset[str]:
         """The requests of a plan awaiting update() that will sample a token in it (what its

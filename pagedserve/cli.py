@@ -32,6 +32,18 @@ def _flag(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
     p.add_argument(flag, **kw)
 
 
+def _seconds_or_off(text: str | float | None) -> float | None:
+    if text is None or text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be seconds > 0 or off, got {text}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be seconds > 0 or off, got {text}")
+    return value
+
+
 def _count_or_auto(text: str | int | None) -> int | None:
     """'auto' -> None (the default rule), else a count >= 1 (every request waits for its first
     step, so 0 would refuse them all)."""
@@ -183,6 +195,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             preemption=a.preemption,
             max_waiting=a.max_waiting,
+            max_queue_delay_s=a.max_queue_delay,
             tokenizer=a.tokenizer,
             served_model_name=a.served_model_name,
             enable_prefix_caching=not a.no_prefix_caching,
@@ -356,6 +369,16 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED (HTTP 429); auto: "
         "as many as the healthy workers' KV pools hold at once at the request's full length, "
         "at most --max-num-seqs each",
+    )
+    _flag(
+        p,
+        "--max-queue-delay",
+        type=_seconds_or_off,
+        default="off",
+        help="seconds: a request expected to wait longer than this for its first token behind "
+        "the others' work (steps in flight, queued prompts, the running batch's decodes, at "
+        "the worker's measured step cost) gets RESOURCE_EXHAUSTED (HTTP 429) at once, so "
+        "admitted requests keep their latency under overload; off: no such bound",
     )
     _flag(p, "--redis-url", default=None, help="Redis for the prefix-hash index")
     _flag(p, "--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks")

@@ -205,6 +205,7 @@ SCHEDULER_FLAGS = [
     "long-prefill-token-threshold",
     "preemption",
     "max-waiting",
+    "max-queue-delay",
     "served-model-name",
     "no-prefix-caching",
     "no-async-scheduling",
