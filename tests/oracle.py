@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,11 @@ def hf_greedy(
     gguf_file: str | None = None,
     eos_ids: tuple[int, ...] = (),
     model: Any = None,
+    batch_size: int = 1,
 ) -> list[list[int]]:
-    """Greedy continuation of every prompt, one at a time, in float64, until `max_tokens` or
-    (when `eos_ids` is given) an EOS token, which is kept as the last output token.
+    """Greedy continuation of every prompt, in float64, until `max_tokens` or (when `eos_ids`
+    is given) an EOS token, which is kept as the last output token; `batch_size` prompts at a
+    time (left padded, with their attention mask and positions).
 
     Also asserts that along each greedy path the top-2 logit gap stays far above float64 (and
     our float64 path's) rounding, so an equal output is a real match, not a lucky tie-break.
@@ -27,47 +30,74 @@ def hf_greedy(
     """
     if model is None:
         model = hf_model(model_dir, gguf_file)
-    outs: list[list[int]] = []
-    with torch.inference_mode():
-        for prompt, n in zip(prompts, max_tokens, strict=True):
-            ids = torch.tensor([prompt])
-            past = None
-            out: list[int] = []
-            for _ in range(n):
-                res = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = res.past_key_values
-                logits = res.logits[0, -1]
-                top2 = torch.topk(logits, 2).values
-                assert float(top2[0] - top2[1]) > 1e-9, "near-tie on the greedy path"
-                tok = int(torch.argmax(logits))
-                out.append(tok)
-                if tok in eos_ids:
-                    break
-                ids = torch.tensor([[tok]])
-            outs.append(out)
-    return outs
+
+    def pick(logits: torch.Tensor, i: int) -> int:
+        top2 = torch.topk(logits, 2).values
+        assert float(top2[0] - top2[1]) > 1e-9, "near-tie on the greedy path"
+        return int(torch.argmax(logits))
+
+    return _greedy(model, prompts, max_tokens, eos_ids, batch_size, pick)
 
 
 def hf_greedy_top(
-    model: Any, prompts: list[list[int]], max_tokens: int, k: int = 5
+    model: Any, prompts: list[list[int]], max_tokens: int, k: int = 5, batch_size: int = 1
 ) -> list[tuple[list[int], list[set[int]]]]:
     """Greedy continuation of every prompt by a loaded transformers `model` (any dtype), with
     the ids of the `k` most likely tokens at every step: [(output ids, top-k id sets)]."""
-    outs = []
+    tops: list[list[set[int]]] = [[] for _ in prompts]
+
+    def pick(logits: torch.Tensor, i: int) -> int:
+        logits = logits.float()
+        tops[i].append(set(torch.topk(logits, k).indices.tolist()))
+        return int(torch.argmax(logits))
+
+    outs = _greedy(model, prompts, [max_tokens] * len(prompts), (), batch_size, pick)
+    return list(zip(outs, tops, strict=True))
+
+
+def _greedy(
+    model: Any,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    eos_ids: tuple[int, ...],
+    batch_size: int,
+    pick: Callable[[torch.Tensor, int], int],
+) -> list[list[int]]:
+    """Greedy decoding, `batch_size` prompts at a time: `pick(last logits, prompt index)`
+    chooses each row's token."""
+    outs: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
+        for first in range(0, len(prompts), batch_size):
+            rows = list(range(first, min(first + batch_size, len(prompts))))
+            width = max(len(prompts[i]) for i in rows)
+            ids = torch.zeros((len(rows), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, i in enumerate(rows):
+                ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[r, width - len(prompts[i]) :] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            live = set(range(len(rows)))
             past = None
-            out: list[int] = []
-            tops: list[set[int]] = []
-            for _ in range(max_tokens):
-                res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            while live:
+                res = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=past,
+                    use_cache=True,
+                )
                 past = res.past_key_values
-                logits = res.logits[0, -1].float()
-                tops.append(set(torch.topk(logits, k).indices.tolist()))
-                out.append(int(torch.argmax(logits)))
-                ids = torch.tensor([[out[-1]]])
-            outs.append((out, tops))
+                ids = torch.zeros((len(rows), 1), dtype=torch.long)
+                for r in sorted(live):
+                    i = rows[r]
+                    logits = res.logits[r, -1]
+                    tok = pick(logits, i)
+                    outs[i].append(tok)
+                    ids[r, 0] = tok
+                    if tok in eos_ids or len(outs[i]) >= max_tokens[i]:
+                        live.discard(r)
+                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+                positions = positions[:, -1:] + 1
     return outs
 
 

@@ -101,7 +101,8 @@ def test_smollm2_close_to_transformers_bf16(spawn: Callable[..., ServerProcess])
         messages = [{"role": "user", "content": text}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    theirs = hf_greedy_top(hf_model(model, dtype=torch.bfloat16), prompts, 24, TOP)
+    hf = hf_model(model, dtype=torch.bfloat16)
+    theirs = hf_greedy_top(hf, prompts, 24, TOP, batch_size=len(prompts))
     stack = start_stack(spawn, model, dtype="bfloat16")
     # In bf16 greedy paths part early on this small model, transformers' own included (its bf16
     # and float32 answers to these prompts first differ at tokens 5 to 29): only the rule holds.

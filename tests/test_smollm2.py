@@ -84,7 +84,12 @@ def chat_ids(hf_tokenizer: Any) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(gguf: Path, oracle: Any, chat_ids: list[list[int]]) -> list[list[int]]:
     outs = hf_greedy(
-        gguf.parent, chat_ids, [MAX_TOKENS] * len(chat_ids), eos_ids=(IM_END,), model=oracle
+        gguf.parent,
+        chat_ids,
+        [MAX_TOKENS] * len(chat_ids),
+        eos_ids=(IM_END,),
+        model=oracle,
+        batch_size=len(chat_ids),
     )
     assert all(out[-1] == IM_END for out in outs), "every answer stops by itself"
     return outs

@@ -11,11 +11,7 @@ import pytest
 
 from benchmarks import soak
 
-# Wall-clock bounds: run alone (`make test` runs these after the rest).
-pytestmark = [
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server"),
-    pytest.mark.serial,
-]
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
 
 def test_one_minute_soak(tmp_path: Path) -> None:
