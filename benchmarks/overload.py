@@ -19,6 +19,8 @@ Phases, one `up` for all of them:
 
 The server runs with `--max-queue-delay` (the benchmark's flag of that name; `off` drops it):
 admission refuses what would wait longer than that for its first token behind the others.
+`--server-args` passes more `up` flags. The load's requests each open a connection of their
+own through a bare HTTP/1.1 client, since the load generator shares the server's cores.
 
     python -m benchmarks.overload --preset tiny
     python -m benchmarks.overload --preset smollm2 --duration 60
@@ -31,6 +33,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shlex
 import socket
 import statistics
@@ -116,41 +119,60 @@ def body_for(rng: random.Random, vocab: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any], kind: str) -> Outcome:
+# A streamed chunk that carries text (the completions API's "text" field, not empty).
+_TEXT = re.compile(rb'"text": ?"(?!")')
+
+
+async def one(url: str, body: dict[str, Any], kind: str) -> Outcome:
+    """One streamed completion on a connection of its own, through a bare HTTP/1.1 client:
+    the load shares the server's cores, so it must cost them as little as it can."""
     out = Outcome(kind=kind)
+    host, _, port = url.removeprefix("http://").partition(":")
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
     start = time.monotonic()
+    writer: asyncio.StreamWriter | None = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            out.status = r.status_code
-            out.status_s = time.monotonic() - start
-            if r.status_code != 200:
-                out.retry_after_s = float(r.headers.get("retry-after", 0))
-                await r.aread()
-                out.error = r.text[:200]
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head.encode() + data)
+        status = await reader.readline()
+        out.status = int(status.split()[1])
+        out.status_s = time.monotonic() - start
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if out.status != 200:
+            out.retry_after_s = float(headers.get("retry-after", 0))
+            out.error = (await reader.read(1000)).decode(errors="replace")[:200]
+            return out
+        if kind == "abort":
+            return out  # gone before the first token
+        while line := await reader.readline():
+            if not line.startswith(b"data: {"):
+                continue  # chunk sizes, blank lines, [DONE]
+            if line.startswith(b'data: {"error"'):
+                out.error = line[6:206].decode(errors="replace")
+                out.status = 500
                 return out
-            if kind == "abort":
-                return out  # gone before the first token
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.error = str(event["error"])[:200]
-                    out.status = 500
-                    return out
-                if event["choices"] and event["choices"][0]["text"]:
-                    out.ttft_s = out.ttft_s or time.monotonic() - start
-                    out.tokens += 1
-                    if kind == "disconnect" and out.tokens >= 3:
-                        return out  # gone mid-stream
-    except httpx.HTTPError as exc:
+            if _TEXT.search(line):
+                out.ttft_s = out.ttft_s or time.monotonic() - start
+                out.tokens += 1
+                if kind == "disconnect" and out.tokens >= 3:
+                    return out  # gone mid-stream
+    except (OSError, ValueError, IndexError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if writer is not None:
+            writer.close()
     return out
 
 
 async def sequential(url: str, bodies: list[dict[str, Any]]) -> list[Outcome]:
-    async with httpx.AsyncClient(timeout=300) as client:
-        return [await one(client, url, b, "normal") for b in bodies]
+    return [await one(url, b, "normal") for b in bodies]
 
 
 async def closed_loop(
@@ -160,43 +182,39 @@ async def closed_loop(
     a 429, once its Retry-After has passed), until `seconds` have passed; every outcome, and
     the wall time until the last request ended."""
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     outs: list[Outcome] = []
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        start = time.monotonic()
+    start = time.monotonic()
 
-        async def run() -> None:
-            while time.monotonic() - start < seconds:
-                out = await one(client, url, body_for(rng, vocab), "normal")
-                outs.append(out)
-                if out.status == 429:
-                    await asyncio.sleep(out.retry_after_s)
+    async def run() -> None:
+        while time.monotonic() - start < seconds:
+            out = await one(url, body_for(rng, vocab), "normal")
+            outs.append(out)
+            if out.status == 429:
+                await asyncio.sleep(out.retry_after_s)
 
-        await asyncio.gather(*(run() for _ in range(clients)))
-        return outs, time.monotonic() - start
+    await asyncio.gather(*(run() for _ in range(clients)))
+    return outs, time.monotonic() - start
 
 
 async def poisson(
     url: str, rate: float, duration: float, vocab: int, seed: int, sampler: Sampler
 ) -> list[Outcome]:
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=4000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        tasks: list[asyncio.Task[Outcome]] = []
-        start = time.monotonic()
-        next_sample = start
-        t = start
-        while t - start < duration:
-            t += rng.expovariate(rate)
-            while time.monotonic() < t:
-                if time.monotonic() >= next_sample:
-                    sampler.sample()
-                    next_sample += 1.0
-                await asyncio.sleep(min(0.05, max(0.0, t - time.monotonic())))
-            roll = rng.random()
-            kind = "disconnect" if roll < 0.1 else "abort" if roll < 0.15 else "normal"
-            tasks.append(asyncio.create_task(one(client, url, body_for(rng, vocab), kind)))
-        return list(await asyncio.gather(*tasks))
+    tasks: list[asyncio.Task[Outcome]] = []
+    start = time.monotonic()
+    next_sample = start
+    t = start
+    while t - start < duration:
+        t += rng.expovariate(rate)
+        while time.monotonic() < t:
+            if time.monotonic() >= next_sample:
+                sampler.sample()
+                next_sample += 1.0
+            await asyncio.sleep(min(0.05, max(0.0, t - time.monotonic())))
+        roll = rng.random()
+        kind = "disconnect" if roll < 0.1 else "abort" if roll < 0.15 else "normal"
+        tasks.append(asyncio.create_task(one(url, body_for(rng, vocab), kind)))
+    return list(await asyncio.gather(*tasks))
 
 
 async def metrics(url: str) -> dict[str, float]:
