@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -146,3 +148,14 @@ def test_a_tight_bound_refuses_at_once_and_runs_what_it_admits(
         gw.stop()
     # Idle again: admitted.
     assert generate(stub, [5] * 40, max_tokens=4, temperature=0.0).finish_reason
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_a_bound_that_is_not_seconds_is_refused_at_start(value: str) -> None:
+    cmd = [sys.executable, "-m", "pagedserve.cli", "control-plane", "--workers", "127.0.0.1:1"]
+    out = subprocess.run(
+        [*cmd, "--max-queue-delay", value], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert f"--max-queue-delay: must be seconds > 0 or off, got {value}" in out.stderr
+    assert "Traceback" not in out.stderr
