@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,11 +49,13 @@ from pagedserve.model_source import DEFAULT_MODEL_NAME, ensure_default_model
 W64_LENGTHS = LengthRange(32, 256)
 
 
-def start_pagedserve(model: Path, name: str, dtype: str) -> tuple[Process, str]:
+def start_pagedserve(
+    model: Path, name: str, dtype: str, extra: Sequence[str] = ()
+) -> tuple[Process, str]:
     port = free_port()
     args = ["up", "--model", str(model), "--served-model-name", name, "--port", str(port)]
     args += ["--grpc-port", str(free_port()), "--worker-base-port", str(free_port())]
-    args += ["--dtype", dtype]
+    args += ["--dtype", dtype, *extra]
     proc = Process("pagedserve-up", args)
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health", timeout=600)
@@ -124,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
                    help="requests/s, Poisson (inf: all at once); several make a sweep")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--pagedserve-variant",
+        default=None,
+        metavar="ARGS",
+        help="also serve `pagedserve up ARGS` (e.g. '--num-threads 1') in the same rounds",
+    )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     workload = a.workload or ("chat" if a.preset == "smollm2" else "w64")
@@ -143,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {}
     try:
         servers["pagedserve"] = start_pagedserve(model, name, a.dtype)
+        if a.pagedserve_variant:
+            extra = shlex.split(a.pagedserve_variant)
+            servers[f"pagedserve {a.pagedserve_variant}"] = start_pagedserve(
+                model, name, a.dtype, extra
+            )
         if py is not None:
             servers["vllm"] = start_vllm(py, model, name, a.dtype)
         else:
