@@ -38,10 +38,6 @@ class StepCost:
         self._xx = d * self._xx + tokens * tokens
         self._xy = d * self._xy + tokens * seconds
 
-    @property
-    def measured(self) -> bool:
-        return self._w > 0.0
-
     def line(self) -> tuple[float, float]:
         """(fixed seconds, seconds per token); (0, 0) before any step."""
         if self._w == 0.0:

@@ -636,8 +636,7 @@ class Scheduler:
         return True
 
     def _has_seats_for(self, req: Request) -> bool:
-        unit = req.beam.width if req.beam is not None else req.sampling.n
-        return self._running_seats() + unit <= self.config.max_num_seqs
+        return self._running_seats() + _seats_asked(req) <= self.config.max_num_seqs
 
     def _running_seats(self) -> int:
         """Seats the running requests hold: a fork parent n (its children's), a beam group
@@ -952,11 +951,11 @@ class Scheduler:
         bm = self.block_manager
         blocks = 0
         for r in self.swapped:
-            seats += r.beam.width if r.beam is not None else r.sampling.n
+            seats += _seats_asked(r)
             prefill += max(0, r.num_tokens_to_compute - r.num_computed_tokens - 1)
             blocks += len(bm.get_cpu_block_ids(r.req_id))
         for r in self.waiting:
-            seats += r.beam.width if r.beam is not None else r.sampling.n
+            seats += _seats_asked(r)
             prefill += r.num_tokens_to_compute - r.num_computed_tokens
             blocks += bm.num_blocks_for(r.num_tokens)
         return Backlog(len(self.running), prefill, seats, blocks, bm.num_free_gpu_blocks)
@@ -1101,3 +1100,8 @@ class Scheduler:
             assert not group.pending_forks or status is RequestStatus.RUNNING, (
                 f"{group.client_id}: forks pending for beams the worker does not hold"
             )
+
+
+def _seats_asked(req: Request) -> int:
+    """Seats a request not running needs to start: its beam width, or n."""
+    return req.beam.width if req.beam is not None else req.sampling.n
