@@ -221,7 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = ModelShape.from_hf_config(model, name=a.preset)
     shape = ModelShape(**{**vars(shape), "dtype_bytes": dtype_bytes})
     keys = [f for f in StepShape.__dataclass_fields__]
-    fit_on = [(StepShape(**{k: s[k] for k in keys}), s["seconds"]) for s in samples]
+    # A step the control plane saw end sooner after the previous result than the worker took
+    # to compute it was sent while that result was on its way: it began before the previous
+    # result arrived, and the worker's own time is the better measure of it.
+    fit_on = [
+        (StepShape(**{k: s[k] for k in keys}), max(s["seconds"], s["worker_seconds"]))
+        for s in samples
+    ]
     profile, err = fit_profile(
         "cpu",
         shape,

@@ -556,8 +556,8 @@ class EngineLoop:
         plan.step_id = self._step_id
         if self._trace is not None:
             self._traced[plan.step_id] = scheduler.plan_shape(plan)
-        await self.client.send(plan)
         self._sent_at[plan.step_id] = time.perf_counter()
+        await self.client.send(plan)
         if not self._in_flight:
             self._waiting_since = time.monotonic()
         self._in_flight.append(plan)
