@@ -31,12 +31,13 @@ up: $(STAMP) redis-server
 	$(VENV)/bin/pagedserve up $(ARGS)
 
 # Tests run TEST_JOBS at a time (pytest-xdist; a module stays on one process, so its stacks
-# start once), then those marked serial (wall-clock bounds) alone. A phase that selects no
+# start once; modules are handed out in the order of tests/conftest.py's LONGEST_FIRST), then
+# those marked serial (wall-clock bounds) alone. A phase that selects no
 # test (exit code 5) is not a failure.
 TEST_JOBS ?= 2
 test: $(STAMP) redis-server
 	rc=0; \
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope -m "not serial" $(ARGS) || rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder -m "not serial" $(ARGS) || rc=$$?; \
 	[ $$rc = 5 ] && rc=0; \
 	$(PY) -m pytest -q -m serial $(ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	exit $$rc

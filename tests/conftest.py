@@ -15,6 +15,36 @@ import pytest  # noqa: E402
 
 from tests.procs import ServerProcess, free_port  # noqa: E402
 
+# The modules that take longest, longest first (seconds summed over their tests on 2 cores).
+# `make test` hands modules to its test processes in collection order, one at a time as each
+# process runs short of work (pytest-xdist's loadscope without reordering): started first, the
+# long ones end beside the many short ones instead of after them.
+LONGEST_FIRST = (
+    "test_smollm2.py",  # ~160 s: float64 SmolLM2 against transformers
+    "test_structured_output.py",  # ~150 s
+    "test_bf16.py",  # ~120 s
+    "test_e2e_greedy.py",  # ~110 s
+    "test_soak.py",  # ~85 s: the one-minute soak
+    "test_tensor_parallel.py",  # ~80 s
+    "test_grpc_security.py",
+    "test_cli_errors.py",
+    "test_gateway_schema.py",
+    "test_sharing_benchmarks.py",
+    "test_beam_search.py",
+    "test_worker_restart.py",
+    "test_gateway_structured.py",
+    "test_beam_benchmark.py",
+    "test_cli.py",
+    "test_bench_offline.py",
+    "test_readme.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order
+
+
 # Models small enough that the transformers oracle and our stack both run fast on 2 cores.
 MICRO: dict[str, Any] = {
     "hidden_size": 64,

@@ -15,7 +15,7 @@ from schemathesis.core.result import Ok
 
 from tests.gateway_stack import GatewayStack, shared_gateway_stack
 
-EXAMPLES = {"POST": 40, "GET": 5}
+EXAMPLES = {"POST": 25, "GET": 5}
 # Keeps each generated request cheap on CPU; clamping leaves valid values valid.
 CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2, "min_tokens": 8}
 

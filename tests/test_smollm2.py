@@ -220,7 +220,9 @@ def test_converted_directory_gives_the_gguf_greedy_tokens(
     out = convert_gguf(gguf, tmp_path / "smollm2")
     converted = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
     prompts = chat_ids[:4]
-    got = hf_greedy(out, prompts, [MAX_TOKENS] * 4, eos_ids=(IM_END,), model=converted.eval())
+    got = hf_greedy(
+        out, prompts, [MAX_TOKENS] * 4, eos_ids=(IM_END,), model=converted.eval(), batch_size=4
+    )
     assert got == expected[:4]
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert [_hf_chat_ids(tok, p) for p in PROMPTS[:4]] == prompts
