@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.procs import free_port, read_until
 
@@ -51,6 +52,7 @@ def healthy_workers(url: str) -> int:
     return int(float(m[1])) if m else -1
 
 
+@pytest.mark.serial  # a killed worker's requests must be served again within bounds
 def test_up_restarts_a_worker_that_dies_and_keeps_serving(micro_llama: Path) -> None:
     http_port, grpc_port, base = free_port(), free_port(), free_port()
     while base + 1 in (http_port, grpc_port):
