@@ -81,7 +81,11 @@ def test_up_restarts_a_worker_that_dies_and_keeps_serving(micro_llama: Path) -> 
         body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         # Served meanwhile, by the other worker.
         for _ in range(5):
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            try:
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            except httpx.HTTPError as exc:
+                log = "".join(lines)[-6000:]
+                pytest.fail(f"{exc!r} after the kill; the cluster's log:\n{log}")
             assert r.status_code == 200, r.text
         start = time.monotonic()
         while healthy_workers(url) != 2 or _worker_pid(base) in (None, victim):
