@@ -5,6 +5,7 @@ the API key; `--log-format`; the worker's startup lines; `up`'s curl hint with a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -48,11 +49,16 @@ def one_line_error(out: subprocess.CompletedProcess[str]) -> str:
 def busy_port() -> Iterator[int]:
     """A port something listens on, with SO_REUSEPORT as a gRPC server's socket has it: a
     second gRPC server would bind it too, and share its connections."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind(("127.0.0.1", 0))
-        s.listen()
+    with _listening(0) as s:
         yield int(s.getsockname()[1])
+
+
+def _listening(port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
 
 
 # -- a model that is not there ------------------------------------------------------------------
@@ -98,13 +104,16 @@ def test_up_names_the_flag_of_a_busy_port(micro_llama: Path, busy_port: int, fla
     given = {f: str(free_port()) for f in ("--port", "--grpc-port")}
     given["--worker-base-port"] = str(_free_pair())  # two workers: the port and the next one
     given["--redis-port"] = str(free_port())
-    if flag == "--worker-base-port":  # the second worker's port is the busy one
-        given[flag] = str(busy_port - 1)
-    else:
-        given[flag] = str(busy_port)
-    args = [x for kv in given.items() for x in kv]
-    t0 = time.monotonic()
-    out = run_cli("up", "--model", str(micro_llama), "--workers", "2", *args)
+    with contextlib.ExitStack() as held:
+        if flag == "--worker-base-port":  # the second worker's port is the busy one
+            base = _free_pair()
+            busy_port = held.enter_context(_listening(base + 1)).getsockname()[1]
+            given[flag] = str(base)
+        else:
+            given[flag] = str(busy_port)
+        args = [x for kv in given.items() for x in kv]
+        t0 = time.monotonic()
+        out = run_cli("up", "--model", str(micro_llama), "--workers", "2", *args)
     assert one_line_error(out) == (
         f"pagedserve: port {busy_port} is in use; choose another with {flag}"
     )
