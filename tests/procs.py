@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import grpc
@@ -37,6 +38,13 @@ def read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 180.0)
         if marker in line:
             break
     return lines
+
+
+def drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
+    """Keeps reading proc's output into `lines` in the background. A cluster whose output
+    nobody reads stops once the pipe is full: its next log line blocks the process that
+    writes it, and with it every request that process serves."""
+    threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
 
 
 class ServerProcess:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.cli import build_parser, parse_bytes
-from tests.procs import free_port, read_until
+from tests.procs import drain, free_port, read_until
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -57,6 +57,7 @@ def test_up_default_model_then_generate_and_stats(tmp_path: Path) -> None:
         assert proc.stdout is not None
         lines += read_until(proc, "pagedserve is up", 180)
         assert any("pagedserve is up" in x for x in lines), "".join(lines)[-3000:]
+        drain(proc, lines)
         # Child output is prefixed with the process name.
         assert any(x.lstrip().startswith("worker-0 |") for x in lines)
         address = f"127.0.0.1:{cp_port}"

@@ -12,13 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.procs import free_port, read_until
+from tests.procs import drain, free_port, read_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +50,7 @@ def test_up_serves_the_readme_example_and_drains(micro_llama: Path) -> None:
         url = f"http://127.0.0.1:{http_port}"
         assert any(f"pagedserve is up: {url}" in x for x in lines), "".join(lines)[-3000:]
         assert any(x.lstrip().startswith("redis |") for x in lines), "redis-server not started"
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
-        reader.start()
+        drain(proc, lines)
 
         def healthcheck(*args: str) -> int:
             cmd = [sys.executable, "-m", "pagedserve.cli", "healthcheck", *args]

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import free_port
+from tests.procs import drain, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"```(\w+)\n(.*?)```", flags=re.DOTALL)
@@ -125,6 +125,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         proc.wait(30)
         pytest.fail("pagedserve up did not come up:\n" + "".join(lines)[-4000:])
     assert "SmolLM2-135M-Instruct" in lines[-1]
+    drain(proc, lines)
     # The gateway README's second gateway, with a key, beside the cluster.
     ports["keyed"] = str(free_port())
     keyed_argv = [_ports(a, ports) for a in KEYED_GATEWAY]

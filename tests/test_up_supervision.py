@@ -9,14 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.procs import free_port, read_until
+from tests.procs import drain, free_port, read_until
 
 
 def pid_listening_as_worker(port: int) -> int:
@@ -73,7 +72,7 @@ def test_up_restarts_a_worker_that_dies_and_keeps_serving(micro_llama: Path) -> 
     try:
         lines += read_until(proc, "pagedserve is up", 180)
         assert any("pagedserve is up" in x for x in lines), "".join(lines)[-3000:]
-        threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+        drain(proc, lines)
         assert healthy_workers(url) == 2
 
         victim = pid_listening_as_worker(base)
