@@ -130,13 +130,16 @@ class RequestStream:
     """One client request: n completions, each with its own detokenizer and counters.
 
     final_only: each completion's chunks are held and merged, and reach the queue as one chunk
-    when the completion ends (a non-streaming client's single answer)."""
+    when the completion ends (a non-streaming client's single answer).
+    sink: where chunks go instead of `queue` (a call carrying many requests collects them all
+    in one place, `control_plane.server`)."""
 
     request: Request
     detokenizers: list[IncrementalDetokenizer]
     num_output_tokens: list[int]
     final_only: bool = False
     queue: asyncio.Queue[OutputChunk | BaseException] = field(default_factory=asyncio.Queue)
+    sink: Callable[[OutputChunk | BaseException], None] | None = None
     finished: bool = False
     first_token_time: float | None = None
     finished_indexes: set[int] = field(default_factory=set)  # completions that ended
@@ -159,9 +162,15 @@ class RequestStream:
                 return
             if chunk.last:  # an abort ends every completion: what they had goes first
                 for other in self._held.values():
-                    self.queue.put_nowait(other)
+                    self.put(other)
                 self._held.clear()
-        self.queue.put_nowait(chunk)
+        self.put(chunk)
+
+    def put(self, item: OutputChunk | BaseException) -> None:
+        if self.sink is not None:
+            self.sink(item)
+        else:
+            self.queue.put_nowait(item)
 
 
 @dataclass
@@ -239,7 +248,12 @@ class EngineLoop:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request: Request, final_only: bool = False) -> RequestStream:
+    def add_request(
+        self,
+        request: Request,
+        final_only: bool = False,
+        sink: Callable[[OutputChunk | BaseException], None] | None = None,
+    ) -> RequestStream:
         n = request.sampling.n
         detoks = [
             IncrementalDetokenizer(
@@ -251,7 +265,7 @@ class EngineLoop:
             )
             for _ in range(n)
         ]
-        stream = RequestStream(request, detoks, [0] * n, final_only)
+        stream = RequestStream(request, detoks, [0] * n, final_only, sink=sink)
         self.scheduler.add_request(request)  # may refuse it: then no stream is left behind
         self.streams[request.req_id] = stream
         self._wakeup.set()
@@ -705,11 +719,11 @@ class EngineLoop:
             stream = self.streams.pop(client_id, None)
             if stream is not None and not stream.finished:
                 stream.finished = True
-                stream.queue.put_nowait(exc)
+                stream.put(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self.streams.values():
             stream.finished = True
-            stream.queue.put_nowait(exc)
+            stream.put(exc)
         self.streams.clear()
         self.scheduler = self._new_scheduler()

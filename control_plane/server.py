@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from control_plane.chat import parse_tools, template_message
 from control_plane.config import ControlPlaneConfig
-from control_plane.engine import OutputChunk, merge_chunks
+from control_plane.engine import OutputChunk, RequestStream, merge_chunks
 from control_plane.plane import AdmissionError, ControlPlane
 from control_plane.request import Request
 from control_plane.tokenizer import LoadedTokenizer
@@ -54,42 +54,53 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.cp = cp
         self.owners = grpc_security.RequestOwners()
 
+    async def _start(
+        self,
+        request: pb.GenerateRequest,
+        req_id: str,
+        sink: Callable[[OutputChunk | BaseException], None] | None = None,
+    ) -> RequestStream:
+        """Admits one request and puts it on a worker; raises what it is refused for."""
+        cp = self.cp
+        await cp.wait_ready()
+        _check_model(cp, request.model)
+        prompt_ids = await self._prompt_ids(request)
+        default_max_tokens = None
+        if request.WhichOneof("prompt") == "chat":
+            s = request.sampling
+            default_max_tokens = cp.default_max_tokens(
+                len(prompt_ids),
+                s.n or 1,
+                s.logprobs if s.HasField("logprobs") else None,
+                s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+            )
+        sampling = wire.sampling_from_proto(request.sampling, default_max_tokens)
+        salt = request.cache_salt or None
+        loop = await cp.admit(req_id, prompt_ids, sampling, salt)
+        stream = loop.add_request(
+            Request(req_id, prompt_ids, sampling, time.monotonic(), cache_salt=salt),
+            final_only=request.output_kind == pb.OUTPUT_KIND_FINAL_ONLY,
+            sink=sink,
+        )
+        log.info(
+            "request_admitted",
+            request_id=req_id,
+            prompt_tokens=len(prompt_ids),
+            max_tokens=sampling.max_tokens,
+            worker=loop.client.address,
+        )
+        return stream
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         req_id = request.request_id or uuid.uuid4().hex
         cp = self.cp
-        rlog = log.bind(request_id=req_id)
-        stream = None
         try:
-            await cp.wait_ready()
-            _check_model(cp, request.model)
-            prompt_ids = await self._prompt_ids(request)
-            default_max_tokens = None
-            if request.WhichOneof("prompt") == "chat":
-                s = request.sampling
-                default_max_tokens = cp.default_max_tokens(
-                    len(prompt_ids),
-                    s.n or 1,
-                    s.logprobs if s.HasField("logprobs") else None,
-                    s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-                )
-            sampling = wire.sampling_from_proto(request.sampling, default_max_tokens)
-            salt = request.cache_salt or None
-            loop = await cp.admit(req_id, prompt_ids, sampling, salt)
-            stream = loop.add_request(
-                Request(req_id, prompt_ids, sampling, time.monotonic(), cache_salt=salt),
-                final_only=request.output_kind == pb.OUTPUT_KIND_FINAL_ONLY,
-            )
-            rlog.info(
-                "request_admitted",
-                prompt_tokens=len(prompt_ids),
-                max_tokens=sampling.max_tokens,
-                worker=loop.client.address,
-            )
+            stream = await self._start(request, req_id)
         except Exception as exc:  # every admission failure becomes a clear status
             code, message = _status_for(exc)
-            rlog.info("request_rejected", code=code.name, reason=message)
+            log.info("request_rejected", request_id=req_id, code=code.name, reason=message)
             await context.abort(code, message)
             return
         self.owners.record(req_id, context)
@@ -107,17 +118,30 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                         return
                     yield _chunk_to_proto(req_id, item, cp.tokenizer)
                     if item.last:
-                        rlog.info(
-                            "request_finished",
-                            finish_reason=item.finish_reason,
-                            completion_tokens=item.num_output_tokens,
-                        )
+                        _log_finished(req_id, item)
                         return
         finally:
             if not stream.finished:
                 # The client went away (or the server is stopping): free the blocks now.
                 cp.abort(req_id)
-                rlog.info("request_cancelled")
+                log.info("request_cancelled", request_id=req_id)
+
+    async def GenerateMany(
+        self,
+        request_iterator: AsyncIterator[pb.GenerateManyRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        calls = _ManyCalls(self, context)
+        reader = asyncio.create_task(calls.read(request_iterator))
+        try:
+            while True:
+                batch = await calls.next_batch(reader)
+                if batch is None:
+                    return
+                yield batch
+        finally:
+            reader.cancel()
+            calls.close()
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -218,6 +242,131 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.DetokenizeResponse(text=text)
 
 
+def _log_finished(req_id: str, chunk: OutputChunk) -> None:
+    log.info(
+        "request_finished",
+        request_id=req_id,
+        finish_reason=chunk.finish_reason,
+        completion_tokens=chunk.num_output_tokens,
+    )
+
+
+class _ManyCalls:
+    """The requests of one GenerateMany call. The engine's chunks for all of them land in one
+    list (each request's `sink`); the call's writer takes everything there at once, merges it
+    per completion as Generate does, and sends it as one message."""
+
+    def __init__(self, servicer: ControlPlaneServicer, context: grpc.aio.ServicerContext):
+        self.servicer = servicer
+        self.context = context
+        self.live: dict[str, RequestStream | None] = {}  # None: still being admitted
+        self.owned: dict[str, Callable[[], None]] = {}  # releases each request's owner entry
+        self.pending: list[tuple[str, OutputChunk | BaseException]] = []
+        self.wake = asyncio.Event()
+        self.starting: set[asyncio.Task[None]] = set()
+
+    def _sink(self, req_id: str) -> Callable[[OutputChunk | BaseException], None]:
+        def put(item: OutputChunk | BaseException) -> None:
+            self.pending.append((req_id, item))
+            self.wake.set()
+
+        return put
+
+    async def read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
+        async for msg in requests:
+            kind = msg.WhichOneof("kind")
+            if kind == "generate":
+                req_id = msg.generate.request_id
+                if not req_id or req_id in self.live:
+                    # The id names the request in both directions: a second one would be
+                    # indistinguishable, so both end here.
+                    self._abort(req_id)
+                    why = f"request_id {req_id!r} is empty or already running on this call"
+                    self._fail(req_id, InvalidRequestError(f"GenerateMany: {why}"))
+                    continue
+                self.live[req_id] = None
+                task = asyncio.create_task(self._start(req_id, msg.generate))
+                self.starting.add(task)
+                task.add_done_callback(self.starting.discard)
+            elif kind == "abort":
+                self._abort(msg.abort)
+        self.wake.set()  # the client sends nothing more: the call ends when its requests do
+
+    async def _start(self, req_id: str, request: pb.GenerateRequest) -> None:
+        try:
+            stream = await self.servicer._start(request, req_id, self._sink(req_id))
+        except Exception as exc:
+            code, message = _status_for(exc)
+            log.info("request_rejected", request_id=req_id, code=code.name, reason=message)
+            self._fail(req_id, exc)
+            return
+        if self.live.get(req_id, stream) is not None:  # aborted while it was being admitted
+            self.servicer.cp.abort(req_id)
+            return
+        self.live[req_id] = stream
+        self.owned[req_id] = self.servicer.owners.claim(req_id, self.context)
+
+    def _fail(self, req_id: str, exc: BaseException) -> None:
+        self.pending.append((req_id, exc))
+        self.wake.set()
+
+    def _end(self, req_id: str) -> RequestStream | None:
+        release = self.owned.pop(req_id, None)
+        if release is not None:
+            release()
+        return self.live.pop(req_id, None)
+
+    def _abort(self, req_id: str) -> None:
+        stream = self._end(req_id)
+        if stream is not None and not stream.finished:
+            self.servicer.cp.abort(req_id)
+            log.info("request_cancelled", request_id=req_id)
+
+    async def next_batch(self, reader: asyncio.Task[None]) -> pb.GenerateManyResponse | None:
+        """What the requests produced since the last batch; None once the client has closed
+        its side and no request is left."""
+        while True:
+            while not self.pending:
+                if reader.done() and not self.live:
+                    reader.result()  # a broken request stream ends the call with its error
+                    return None
+                self.wake.clear()
+                await self.wake.wait()
+            batch = self._take()
+            if batch.responses or batch.errors:
+                return batch
+
+    def _take(self) -> pb.GenerateManyResponse:
+        items, self.pending = self.pending, []
+        per_request: dict[str, list[OutputChunk | BaseException]] = {}
+        for req_id, item in items:
+            per_request.setdefault(req_id, []).append(item)
+        batch = pb.GenerateManyResponse()
+        tok = self.servicer.cp.tokenizer
+        for req_id, chunks in per_request.items():
+            for item in merge_chunks(chunks):
+                if isinstance(item, BaseException):
+                    code, message = _status_for(item)
+                    batch.errors.add(request_id=req_id, code=code.value[0], message=message)
+                    self._end(req_id)
+                    break
+                if req_id not in self.live:
+                    continue  # aborted by the client: nobody wants the rest
+                batch.responses.append(_chunk_to_proto(req_id, item, tok))
+                if item.last:
+                    _log_finished(req_id, item)
+                    self._end(req_id)
+                    break
+        return batch
+
+    def close(self) -> None:
+        """The call ended: whatever still runs on it is aborted, its blocks freed."""
+        for task in self.starting:
+            task.cancel()
+        for req_id in list(self.live):
+            self._abort(req_id)
+
+
 def stats_to_proto(cp: ControlPlane) -> pb.StatsResponse:
     router = cp.router
     workers = []
@@ -293,6 +442,7 @@ def _chunk_to_proto(
         completion_tokens=chunk.num_output_tokens,
         stop_reason="" if chunk.stop_reason is None else str(chunk.stop_reason),
         index=chunk.index,
+        last=chunk.last,
     )
     if isinstance(chunk.stop_reason, int):
         msg.stop_token_id = chunk.stop_reason

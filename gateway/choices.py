@@ -169,11 +169,11 @@ async def stream_choices(
     control plane free their blocks at once.
 
     Backpressure: at most STREAM_BUFFER_MESSAGES messages wait here for a client that reads
-    slower than the engine writes; beyond that the calls stop being read, gRPC's flow control
-    holds the control plane's writes, and the control plane coalesces what the request
-    generates meanwhile into its next message. A client that takes nothing for
-    stall_timeout_s has its calls cancelled (their KV blocks freed), logged as
-    `stream_stalled`; what was buffered goes out should it read again, then an error event.
+    slower than the engine writes; beyond that the request's buffer on the upstream call
+    merges what it generates meanwhile into as few messages as the client takes (`upstream`).
+    A client that takes nothing for stall_timeout_s has its calls cancelled (their KV blocks
+    freed), logged as `stream_stalled`; what was buffered goes out should it read again, then
+    an error event.
     """
     queue: asyncio.Queue[ChoiceEvent | APIError | None] = asyncio.Queue(STREAM_BUFFER_MESSAGES)
     stalled: list[APIError] = []

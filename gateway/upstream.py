@@ -11,6 +11,7 @@ plane coming back and the channel's next connection attempt.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
@@ -44,21 +45,34 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    empty = grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, empty, empty, details)
+
+
 def unavailable(details: str) -> grpc.aio.AioRpcError:
     """The error a call to an unreachable control plane fails with."""
-    empty = grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, empty, empty, details)
+    return rpc_error(grpc.StatusCode.UNAVAILABLE, details)
+
+
+# A request's messages are kept one per engine step while its client keeps up; past this many
+# waiting (a client reading slower than the engine steps), each new one is merged into the last.
+MERGE_AFTER = 64
 
 
 class GenerateStream:
-    """One Generate call, started once the channel is ready: iterate for the messages (a
-    control plane that stays unreachable raises UNAVAILABLE), cancel to abort it upstream."""
+    """One request on the upstream's GenerateMany call: iterate for its messages (a control
+    plane that stays unreachable, or refuses the request, raises the status Generate would
+    fail with), cancel to abort it upstream."""
 
     def __init__(self, upstream: Upstream, request: pb.GenerateRequest) -> None:
         self._upstream = upstream
         self._request = request
-        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._call: _ManyCall | None = None
+        self._pending: deque[pb.GenerateResponse | grpc.aio.AioRpcError] = deque()
+        self._ready = asyncio.Event()
         self._cancelled = False
+        self._ended = False
 
     def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
         return self._messages()
@@ -67,14 +81,118 @@ class GenerateStream:
         await self._upstream.connected()
         if self._cancelled:
             return
-        self._call = self._upstream.stub.Generate(self._request)
-        async for msg in self._call:
-            yield msg
+        self._call = self._upstream.many_call()
+        self._call.start(self)
+        pending = self._pending
+        while True:
+            while not pending:
+                self._ready.clear()
+                await self._ready.wait()
+            item = pending.popleft()
+            if isinstance(item, grpc.aio.AioRpcError):
+                self._ended = True
+                raise item
+            yield item
+            if item.last:
+                self._ended = True
+                return
+
+    def deliver(self, item: pb.GenerateResponse | grpc.aio.AioRpcError) -> None:
+        pending = self._pending
+        if len(pending) >= MERGE_AFTER and isinstance(item, pb.GenerateResponse):
+            prev = pending[-1]
+            if isinstance(prev, pb.GenerateResponse) and prev.index == item.index:
+                _append(prev, item)
+                return
+        pending.append(item)
+        self._ready.set()
 
     def cancel(self) -> None:
         self._cancelled = True
-        if self._call is not None:
-            self._call.cancel()
+        if self._call is not None and not self._ended:
+            self._ended = True
+            self._call.abort(self._request.request_id)
+
+
+def _append(msg: pb.GenerateResponse, later: pb.GenerateResponse) -> None:
+    """`later` folded into `msg`, an earlier message of the same completion, in place."""
+    msg.token_ids.extend(later.token_ids)
+    msg.text += later.text
+    msg.logprobs.extend(later.logprobs)
+    msg.completion_tokens = later.completion_tokens
+    msg.finish_reason = later.finish_reason
+    msg.stop_reason = later.stop_reason
+    for name in ("stop_token_id", "sequence_score"):
+        if later.HasField(name):
+            setattr(msg, name, getattr(later, name))
+    msg.time_to_first_token_s = later.time_to_first_token_s
+    msg.last = later.last
+
+
+class _ManyCall:
+    """The gateway's GenerateMany call: every request travels on it, and every engine step's
+    messages for all of them come back as one. A broken call fails the requests it carries
+    with its status (UNAVAILABLE for a control plane that went away); the next request opens
+    a new one."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self._upstream = upstream
+        self._outbox: asyncio.Queue[pb.GenerateManyRequest] = asyncio.Queue()
+        self._streams: dict[str, GenerateStream] = {}
+        self._call = upstream.stub.GenerateMany(self._outgoing())
+        self._reader = asyncio.create_task(self._read())
+        self.broken = False
+
+    async def _outgoing(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        while True:
+            yield await self._outbox.get()
+
+    def start(self, stream: GenerateStream) -> None:
+        req_id = stream._request.request_id
+        if req_id in self._streams:
+            why = f"request id {req_id!r} is already in use by a request in progress"
+            stream.deliver(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, why))
+            return
+        self._streams[req_id] = stream
+        self._outbox.put_nowait(pb.GenerateManyRequest(generate=stream._request))
+
+    def abort(self, req_id: str) -> None:
+        if self._streams.pop(req_id, None) is not None and not self.broken:
+            self._outbox.put_nowait(pb.GenerateManyRequest(abort=req_id))
+
+    async def _read(self) -> None:
+        error: grpc.aio.AioRpcError
+        try:
+            async for batch in self._call:
+                streams = self._streams
+                for msg in batch.responses:
+                    stream = streams.get(msg.request_id)
+                    if stream is not None:
+                        if msg.last:
+                            del streams[msg.request_id]
+                        stream.deliver(msg)
+                for err in batch.errors:
+                    stream = streams.pop(err.request_id, None)
+                    if stream is not None:
+                        code = _STATUS_CODES.get(err.code, grpc.StatusCode.UNKNOWN)
+                        stream.deliver(rpc_error(code, err.message))
+            error = unavailable("the control plane ended the call")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = unavailable("the gateway is stopping")
+        self.broken = True
+        self._upstream.forget(self)
+        for stream in self._streams.values():
+            stream.deliver(error)
+        self._streams.clear()
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class Upstream:
@@ -95,9 +213,22 @@ class Upstream:
         self.channel = aio_channel(address, security, _CHANNEL_OPTIONS)
         self.stub = pb_grpc.ControlPlaneStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._many: _ManyCall | None = None
 
     async def close(self) -> None:
+        if self._many is not None:
+            self._many.close()
         await self.channel.close(grace=1.0)
+
+    def many_call(self) -> _ManyCall:
+        """The GenerateMany call requests go on, opened now if there is none."""
+        if self._many is None:
+            self._many = _ManyCall(self)
+        return self._many
+
+    def forget(self, call: _ManyCall) -> None:
+        if self._many is call:
+            self._many = None
 
     async def connected(self) -> None:
         """Returns once the channel is ready, at once when it is; raises UNAVAILABLE when it
@@ -114,7 +245,8 @@ class Upstream:
             raise unavailable(f"no connection to {self.address}") from None
 
     def generate(self, request: pb.GenerateRequest) -> GenerateStream:
-        """The server stream of one request; cancelling the call aborts it upstream."""
+        """The messages of one request (its request_id set, unique among those running);
+        cancelling the stream aborts it upstream."""
         return GenerateStream(self, request)
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:

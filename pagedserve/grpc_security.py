@@ -192,15 +192,21 @@ class RequestOwners:
 
     def record(self, request_id: str, context: grpc.aio.ServicerContext) -> None:
         """Call once the request is admitted; the entry goes when its call ends."""
+        release = self.claim(request_id, context)
+        context.add_done_callback(lambda _: release())
+
+    def claim(self, request_id: str, context: grpc.aio.ServicerContext) -> Callable[[], None]:
+        """Records the request's owner; the entry goes when the function returned is called
+        (a call that carries many requests ends each of them on its own)."""
         entry = (caller_identity(context), object())
         self._owners[request_id] = entry
 
-        def forget(_: object) -> None:
+        def forget() -> None:
             # A later request may reuse the id once this one has ended: leave its entry.
             if self._owners.get(request_id) is entry:
                 del self._owners[request_id]
 
-        context.add_done_callback(forget)
+        return forget
 
     def owns(self, request_id: str, context: grpc.aio.ServicerContext) -> bool:
         entry = self._owners.get(request_id)

@@ -204,8 +204,19 @@ def test_request_id_echoed_and_logged(gs: GatewayStack) -> None:
     )
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
     assert r.json()["id"] == "cmpl-trace-42"
-    lines = [json.loads(x) for x in gs.gateway.output().splitlines() if x.startswith("{")]
-    assert any(x.get("request_id") == "trace-42" and x["event"] == "http_request" for x in lines)
+
+    def logged() -> bool:
+        lines = [json.loads(x) for x in gs.gateway.output().splitlines() if x.startswith("{")]
+        return any(
+            x.get("request_id") == "trace-42" and x["event"] == "http_request" for x in lines
+        )
+
+    # The access line is written once the response is out: it may land just after the client
+    # has read the body.
+    deadline = time.monotonic() + 5
+    while not logged() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert logged()
     cp_log = gs.stack.control_plane.output()
     # n = 2 is one upstream request, forked inside the control plane.
     assert '"request_id": "trace-42"' in cp_log and "trace-42-" not in cp_log

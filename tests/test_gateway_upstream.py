@@ -35,20 +35,19 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
     seen: list[pb.GenerateRequest] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def Generate(
-        self, request: pb.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GenerateResponse]:
+    def _script(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
+        """The scripted answer to a request: its messages, or Scripted with its status."""
         with self.lock:
             self.seen.append(request)
         if request.model and request.model != MODEL:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
+            raise Scripted(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
         codes = {
             "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
             "down": grpc.StatusCode.UNAVAILABLE,
             "boom": grpc.StatusCode.INTERNAL,
         }
         if request.text in codes:
-            context.abort(codes[request.text], f"scripted {request.text}")
+            raise Scripted(codes[request.text], f"scripted {request.text}")
         n = max(request.sampling.n, 1)
         for i in range(n):
             yield pb.GenerateResponse(
@@ -56,12 +55,34 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
                 completion_tokens=1, index=i,
             )  # fmt: skip
         if request.text == "late":
-            context.abort(grpc.StatusCode.INTERNAL, "worker lost")
+            raise Scripted(grpc.StatusCode.INTERNAL, "worker lost")
         for i in range(n):
             yield pb.GenerateResponse(
                 request_id=request.request_id, token_ids=[2], text="b", prompt_tokens=3,
-                completion_tokens=2, finish_reason="length", index=i,
+                completion_tokens=2, finish_reason="length", index=i, last=i == n - 1,
             )  # fmt: skip
+
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        try:
+            yield from self._script(request)
+        except Scripted as exc:
+            context.abort(exc.code, exc.message)
+
+    def GenerateMany(
+        self, request_iterator: Iterator[pb.GenerateManyRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateManyResponse]:
+        for msg in request_iterator:
+            if msg.WhichOneof("kind") != "generate":
+                continue
+            batch = pb.GenerateManyResponse()
+            try:
+                batch.responses.extend(self._script(msg.generate))
+            except Scripted as exc:
+                rid = msg.generate.request_id
+                batch.errors.add(request_id=rid, code=exc.code.value[0], message=exc.message)
+            yield batch
 
     def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.ServicerContext
@@ -70,6 +91,12 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         return pb.StatsResponse(workers=[pb.WorkerStats(healthy=self.worker_healthy)])
+
+
+class Scripted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 @dataclass

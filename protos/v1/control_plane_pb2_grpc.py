@@ -39,6 +39,11 @@ class ControlPlaneStub:
                 request_serializer=protos_dot_v1_dot_control__plane__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_control__plane__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/pagedserve.v1.ControlPlane/GenerateMany',
+                request_serializer=protos_dot_v1_dot_control__plane__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_control__plane__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedserve.v1.ControlPlane/Abort',
                 request_serializer=protos_dot_v1_dot_control__plane__pb2.AbortRequest.SerializeToString,
@@ -74,6 +79,18 @@ class ControlPlaneServicer:
         message per completion when it ends); the last message has finish_reason.
         INVALID_ARGUMENT: the request can never be served (the message names the limit).
         RESOURCE_EXHAUSTED: the waiting queue is full; retry later.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests over one call (what the gateway uses): each `generate` the client sends
+        starts a request as Generate would, each `abort` cancels one; the control plane answers
+        with batches, every message its requests produced since the last batch, so a step of 64
+        streaming requests is one message rather than 64. A request ends with its message that
+        has `last`, or with an entry in `errors` carrying the status Generate would fail with.
+        Ending the call aborts every request still running on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,6 +136,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_v1_dot_control__plane__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_v1_dot_control__plane__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=protos_dot_v1_dot_control__plane__pb2.GenerateManyRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_control__plane__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -173,6 +195,33 @@ class ControlPlane:
             '/pagedserve.v1.ControlPlane/Generate',
             protos_dot_v1_dot_control__plane__pb2.GenerateRequest.SerializeToString,
             protos_dot_v1_dot_control__plane__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedserve.v1.ControlPlane/GenerateMany',
+            protos_dot_v1_dot_control__plane__pb2.GenerateManyRequest.SerializeToString,
+            protos_dot_v1_dot_control__plane__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
