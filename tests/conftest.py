@@ -20,7 +20,7 @@ from tests.procs import ServerProcess, free_port  # noqa: E402
 # process runs short of work (pytest-xdist's loadscope without reordering): started first, the
 # long ones end beside the many short ones instead of after them.
 LONGEST_FIRST = (
-    "test_smollm2.py",  # ~160 s: float64 SmolLM2 against transformers
+    "test_smollm2.py",  # ~130 s: float64 SmolLM2 against transformers
     "test_structured_output.py",  # ~150 s
     "test_bf16.py",  # ~120 s
     "test_e2e_greedy.py",  # ~110 s
