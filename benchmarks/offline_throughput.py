@@ -41,6 +41,7 @@ from benchmarks.common import (
     write_json,
 )
 from gpu_worker.model_runner import keep_freed_host_memory
+from pagedserve.grpc_security import INSECURE, GrpcSecurity, aio_channel
 
 SYSTEMS = (
     "pagedserve",
@@ -55,15 +56,15 @@ SYSTEMS = (
 QUICK_SYSTEMS = "pagedserve,engine-inproc,hf-static,torch-bound"
 
 
-async def _drive(address: str, wl: Workload) -> tuple[float, list[list[int]]]:
+async def _drive(
+    address: str, wl: Workload, security: GrpcSecurity = INSECURE
+) -> tuple[float, list[list[int]]]:
     """All requests at once as concurrent Generate streams; (elapsed seconds, output ids)."""
-    import grpc
-
     from protos.v1 import common_pb2
     from protos.v1 import control_plane_pb2 as pb
     from protos.v1 import control_plane_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address, security) as channel:
         stub = pb_grpc.ControlPlaneStub(channel)
 
         async def one(prompt: list[int], n: int) -> list[int]:
