@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,3 +153,14 @@ def generate(stub: pb_grpc.ControlPlaneStub, prompt: str | list[int], **kw: Any)
         stop_reason=chunks[-1].stop_reason,
         chunks=chunks,
     )
+
+
+def wait_all_free(stack: Stack, timeout: float = 1.0) -> pb.StatsResponse:
+    """The stats once the (first) worker's KV blocks are all free, or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = stack.stats()
+        w = stats.workers[0]
+        if w.num_free_gpu_blocks == w.num_gpu_blocks or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)

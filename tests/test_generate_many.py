@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from protos.v1 import control_plane_pb2 as pb
 from tests.procs import ServerProcess
-from tests.stack import Stack, generate, request, start_stack
+from tests.stack import Stack, generate, request, start_stack, wait_all_free
 
 NUM_GPU_BLOCKS = 64
 
@@ -67,16 +66,6 @@ def collect(
     return messages, errors, batches
 
 
-def wait_all_free(stack: Stack, timeout: float = 2.0) -> pb.StatsResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = stack.stats()
-        w = stats.workers[0]
-        if w.num_free_gpu_blocks == w.num_gpu_blocks or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.02)
-
-
 def test_many_requests_on_one_call_equal_their_own_calls(stack: Stack) -> None:
     prompts = {f"r{i}": list(range(5 + i, 25 + 3 * i)) for i in range(8)}
     kw = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -94,7 +83,7 @@ def test_many_requests_on_one_call_equal_their_own_calls(stack: Stack) -> None:
         assert msgs[-1].completion_tokens == 24
     # One message per step for all the requests, not one per request per step.
     assert batches < sum(len(m) for m in messages.values()) / 2
-    assert wait_all_free(stack).num_running == 0
+    assert wait_all_free(stack, timeout=2.0).num_running == 0
 
 
 def test_a_refused_request_is_an_error_entry_and_the_rest_go_on(stack: Stack) -> None:
@@ -122,7 +111,7 @@ def test_a_duplicate_request_id_ends_both(stack: Stack) -> None:
     many.close_sending()
     assert errors["twice"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "already running" in errors["twice"].message
-    assert wait_all_free(stack).workers[0].num_free_gpu_blocks == NUM_GPU_BLOCKS
+    assert wait_all_free(stack, timeout=2.0).workers[0].num_free_gpu_blocks == NUM_GPU_BLOCKS
 
 
 def test_abort_on_the_call_frees_only_that_request(stack: Stack) -> None:
@@ -143,7 +132,7 @@ def test_abort_on_the_call_frees_only_that_request(stack: Stack) -> None:
             break
     many.close_sending()
     assert seen["stays"] == 40
-    stats = wait_all_free(stack)
+    stats = wait_all_free(stack, timeout=2.0)
     assert stats.workers[0].num_free_gpu_blocks == NUM_GPU_BLOCKS and stats.num_running == 0
 
 
@@ -160,7 +149,7 @@ def test_a_dropped_call_aborts_every_request_on_it(stack: Stack) -> None:
             break
     assert stack.stats().num_running == 2
     many.call.cancel()
-    stats = wait_all_free(stack)
+    stats = wait_all_free(stack, timeout=2.0)
     assert stats.workers[0].num_free_gpu_blocks == NUM_GPU_BLOCKS and stats.num_running == 0
 
 

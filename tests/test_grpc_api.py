@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from protos.v1 import control_plane_pb2 as pb
 from tests.procs import ServerProcess
-from tests.stack import Stack, generate, request, start_stack
+from tests.stack import Stack, generate, request, start_stack, wait_all_free
 
 NUM_GPU_BLOCKS = 64  # 1024 token slots: less than the model's 2048-token context
 
@@ -21,16 +21,6 @@ NUM_GPU_BLOCKS = 64  # 1024 token slots: less than the model's 2048-token contex
 @pytest.fixture(scope="module")
 def stack(module_spawn: Callable[..., ServerProcess], micro_llama: Path) -> Stack:
     return start_stack(module_spawn, micro_llama, num_gpu_blocks=NUM_GPU_BLOCKS)
-
-
-def wait_all_free(stack: Stack, timeout: float = 1.0) -> pb.StatsResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = stack.stats()
-        w = stats.workers[0]
-        if w.num_free_gpu_blocks == w.num_gpu_blocks or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.02)
 
 
 def test_list_models_and_text_prompt(stack: Stack, micro_llama: Path) -> None:
