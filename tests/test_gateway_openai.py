@@ -247,6 +247,24 @@ def test_client_dropping_mid_stream_frees_its_blocks(gs: GatewayStack) -> None:
     assert gs.stack.stats().num_requests_aborted >= aborted + 1  # one request, n = 2
 
 
+def test_a_request_id_in_use_is_refused_and_the_running_one_goes_on(gs: GatewayStack) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 200, "stream": True, **IGNORE_EOS}
+    headers = {**gs.headers, "x-request-id": "in-use-42"}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{gs.url}/v1/completions", json=body, headers=headers) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert next(lines).startswith("data: {")
+            again = http.post(
+                f"{gs.url}/v1/completions", json={**body, "stream": False}, headers=headers
+            )
+            assert again.status_code == 400, again.text
+            assert "already in use" in again.json()["error"]["message"]
+            rest = list(lines)
+    assert rest[-1] == "data: [DONE]"
+    text_events = [json.loads(x[6:]) for x in rest[:-1]]
+    assert text_events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.mark.serial  # a wall-clock bound
 def test_client_dropping_while_waiting_for_whole_answer(gs: GatewayStack) -> None:
     assert gs.wait_all_blocks_free(2.0)
