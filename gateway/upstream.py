@@ -81,8 +81,9 @@ class GenerateStream:
         await self._upstream.connected()
         if self._cancelled:
             return
-        self._call = self._upstream.many_call()
-        self._call.start(self)
+        call = self._upstream.many_call()
+        call.start(self._request, self)  # raises INVALID_ARGUMENT for an id in use
+        self._call = call
         pending = self._pending
         while True:
             while not pending:
@@ -147,14 +148,13 @@ class _ManyCall:
         while True:
             yield await self._outbox.get()
 
-    def start(self, stream: GenerateStream) -> None:
-        req_id = stream._request.request_id
+    def start(self, request: pb.GenerateRequest, stream: GenerateStream) -> None:
+        req_id = request.request_id
         if req_id in self._streams:
             why = f"request id {req_id!r} is already in use by a request in progress"
-            stream.deliver(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, why))
-            return
+            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, why)
         self._streams[req_id] = stream
-        self._outbox.put_nowait(pb.GenerateManyRequest(generate=stream._request))
+        self._outbox.put_nowait(pb.GenerateManyRequest(generate=request))
 
     def abort(self, req_id: str) -> None:
         if self._streams.pop(req_id, None) is not None and not self.broken:
