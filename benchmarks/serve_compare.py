@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shlex
 import statistics
 from collections.abc import Sequence
@@ -50,13 +51,13 @@ W64_LENGTHS = LengthRange(32, 256)
 
 
 def start_pagedserve(
-    model: Path, name: str, dtype: str, extra: Sequence[str] = ()
+    model: Path, name: str, dtype: str, extra: Sequence[str] = (), env: dict[str, str] | None = None
 ) -> tuple[Process, str]:
     port = free_port()
     args = ["up", "--model", str(model), "--served-model-name", name, "--port", str(port)]
     args += ["--grpc-port", str(free_port()), "--worker-base-port", str(free_port())]
     args += ["--dtype", dtype, *extra]
-    proc = Process("pagedserve-up", args)
+    proc = Process("pagedserve-up", args, env=env)
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health", timeout=600)
     return proc, url
@@ -76,6 +77,16 @@ def start_vllm(py: Path, model: Path, name: str, dtype: str) -> tuple[Process, s
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health", timeout=600)
     return proc, url
+
+
+def variant_env(words: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading NAME=VALUE words (as `env` takes them) and the `up` arguments after them."""
+    env: dict[str, str] = {}
+    words = list(words)
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    return env, words
 
 
 def round_requests(
@@ -131,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--pagedserve-variant",
         default=None,
         metavar="ARGS",
-        help="also serve `pagedserve up ARGS` (e.g. '--num-threads 1') in the same rounds",
+        help="also serve `pagedserve up ARGS` (e.g. '--num-threads 1', or with leading "
+        "NAME=VALUE environment variables) in the same rounds",
     )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -153,9 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         servers["pagedserve"] = start_pagedserve(model, name, a.dtype)
         if a.pagedserve_variant:
-            extra = shlex.split(a.pagedserve_variant)
+            env, extra = variant_env(shlex.split(a.pagedserve_variant))
             servers[f"pagedserve {a.pagedserve_variant}"] = start_pagedserve(
-                model, name, a.dtype, extra
+                model, name, a.dtype, extra, env
             )
         if py is not None:
             servers["vllm"] = start_vllm(py, model, name, a.dtype)
