@@ -30,11 +30,12 @@ redis-server:
 up: $(STAMP) redis-server
 	$(VENV)/bin/pagedserve up $(ARGS)
 
-# Tests run TEST_JOBS at a time (pytest-xdist; a module stays on one process, so its stacks
+# Tests run TEST_JOBS at a time, one more than two cores since much of an end-to-end test waits
+# on its processes (pytest-xdist; a module stays on one process, so its stacks
 # start once; modules are handed out in the order of tests/conftest.py's LONGEST_FIRST), then
 # those marked serial (wall-clock bounds) alone. A phase that selects no
 # test (exit code 5) is not a failure.
-TEST_JOBS ?= 2
+TEST_JOBS ?= 3
 test: $(STAMP) redis-server
 	rc=0; \
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder -m "not serial" $(ARGS) || rc=$$?; \
