@@ -311,17 +311,11 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
                 children.append(redis)
         addresses = []
         workers = []
-        # The workers share the cores with the control plane and the gateway: OpenMP threads
-        # that sleep when idle, rather than spin, leave those cycles to the edge (unless the
-        # environment says otherwise).
-        worker_env = {"OMP_WAIT_POLICY": "PASSIVE", **env}
         for i in range(a.workers):
             port = a.worker_base_port + i
             addresses.append(f"{a.host}:{port}")
             argv = ["worker", "--model", model_dir, "--host", a.host, "--port", str(port)]
-            workers.append(
-                Child(f"worker-{i}", py + argv + _passthrough(a, WORKER_FLAGS), worker_env)
-            )
+            workers.append(Child(f"worker-{i}", py + argv + _passthrough(a, WORKER_FLAGS), env))
         children += workers
         for child, address in zip(workers, addresses, strict=True):
             wait_serving(address, child)
