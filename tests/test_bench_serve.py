@@ -102,14 +102,13 @@ def test_run_and_summaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     cfg = ServeConfig("http://fake", request_rates=(50.0, math.inf), max_concurrency=2)
     report = asyncio.run(run(cfg, reqs))
     assert report["model"] == "fake" and len(report["runs"]) == 2
-    for r in report["runs"]:
+    for rate, r in zip(cfg.request_rates, report["runs"], strict=True):
         assert r["completed"] == 6 and r["failed"] == 0
         assert r["output_tokens"] == sum(q.max_tokens for q in reqs)
         # Each request's send time, for a trace replay (pagedserve simulate --trace): never
         # before its place on the schedule (spread over the run at 50 requests/s, all at 0
         # when all are sent at once); a request waiting for a free slot is sent later.
         sent = [q["arrival_s"] for q in r["requests"]]
-        rate = 50.0 if r["request_rate"] == 50.0 else math.inf
         schedule = arrival_times(6, rate, cfg.arrival, cfg.burst_size, cfg.seed)
         assert (max(schedule) > 0.02) == (rate == 50.0)
         assert all(s >= t - 0.005 for s, t in zip(sent, schedule, strict=True))
