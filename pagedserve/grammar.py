@@ -26,13 +26,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from pagedserve.sampling_params import InvalidRequestError, StructuredOutput
+
+if TYPE_CHECKING:  # the masks are the worker's; the control plane runs without torch
+    import torch
 
 # Compiled grammars (and refusals) kept per process.
 CACHE_SIZE = 512
@@ -269,6 +271,8 @@ _executor_lock = threading.Lock()
 def token_bitmask(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
     """[len(matchers), ceil(vocab / 32)] int32: bit i of word w set where matchers[row] allows
     token 32w + i next; filled in parallel, outside the GIL."""
+    import torch
+
     global _executor
     if _executor is None:
         with _executor_lock:
@@ -286,6 +290,8 @@ def token_bitmask(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, vocab] bool from token_bitmask's words."""
+    import torch
+
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab]).bool()
 

@@ -93,12 +93,13 @@ def ensure_default_model() -> Path:
 
 def ensure_preset_model(preset: str) -> Path:
     """The random-weight checkpoint of `preset` (seed 0, Llama layout)."""
-    from gpu_worker.model_init import write_random_checkpoint
 
-    return build_once(
-        cache_dir() / f"{preset}-llama",
-        lambda tmp: write_random_checkpoint(tmp, preset=preset, arch="llama"),
-    )
+    def build(tmp: Path) -> None:
+        from gpu_worker.model_init import write_random_checkpoint  # torch, only when building
+
+        write_random_checkpoint(tmp, preset=preset, arch="llama")
+
+    return build_once(cache_dir() / f"{preset}-llama", build)
 
 
 def build_once(target: Path, build: Callable[[Path], object]) -> Path:

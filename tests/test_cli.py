@@ -234,3 +234,17 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_only_the_worker_loads_torch() -> None:
+    """The control plane, the gateway and `up`'s supervisor never run a model: importing torch
+    would cost each of them ~1.5 s of CPU at every start and ~200 MiB of memory."""
+    code = (
+        "import sys, control_plane.server, gateway.server, pagedserve.cli, pagedserve.cluster, "
+        "pagedserve.model_source, pagedserve.gguf, pagedserve.grammar, control_plane.tokenizer; "
+        "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -319,14 +319,14 @@ def test_convert_leaves_nothing_behind_on_a_bad_file(tmp_path: Path) -> None:
 def test_convert_is_atomic(gguf_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A conversion that fails midway (here: the disk fills while writing weights) leaves
     neither the target nor a temporary directory."""
-    from pagedserve.gguf import convert
+    import safetensors.torch
 
     _, path = gguf_model("llama")
 
     def full_disk(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(convert, "save_file", full_disk)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     with pytest.raises(OSError, match="No space left"):
         convert_gguf(path, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

@@ -24,11 +24,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.gguf import tensors as gt
+
+if TYPE_CHECKING:
+    import torch
 
 # general.architecture -> (HF architecture, HF model_type)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -235,17 +236,15 @@ class GGUFCheckpoint:
 
     # -- tensors --------------------------------------------------------------------------------
 
-    def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor under its HF name, dequantized and cast to `dtype`."""
+    def tensor(self, hf_name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor under its HF name, dequantized and cast to `dtype` (float32 by default)."""
         return gt.read_tensor(self, hf_name, dtype)
 
     def tensor_names(self) -> list[str]:
         """HF names of every tensor the file holds."""
         return [gt.hf_name(name) for name in self.raw_tensors]
 
-    def iter_tensors(
-        self, dtype: torch.dtype = torch.float32
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.tensor_names():
             yield name, self.tensor(name, dtype)
 

@@ -15,9 +15,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
 from pagedserve.gguf.checkpoint import GGUFCheckpoint, open_gguf
 
 
@@ -42,7 +39,9 @@ def write_hf_files(ckpt: GGUFCheckpoint, out: Path) -> None:
     config = ckpt.hf_config()
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", ckpt.generation_config())
-    tensors = dict(ckpt.iter_tensors(torch.float32))
+    from safetensors.torch import save_file
+
+    tensors = dict(ckpt.iter_tensors())
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     ckpt.tokenizer().save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", ckpt.tokenizer_config())

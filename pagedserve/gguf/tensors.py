@@ -21,9 +21,10 @@ import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedserve.gguf.checkpoint import GGUFCheckpoint
 
 _GLOBAL_RENAMES = {
@@ -104,8 +105,10 @@ def check_tensors(ckpt: GGUFCheckpoint) -> None:
         raise GGUFError(f"{ckpt.path}: no token_embd.weight tensor")
 
 
-def read_tensor(ckpt: GGUFCheckpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor with HF name `name`, dequantized to float32, in HF row order, as `dtype`."""
+def read_tensor(ckpt: GGUFCheckpoint, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensor with HF name `name`, dequantized to float32, in HF row order, as `dtype`
+    (float32 when None)."""
+    import torch  # only tensor reads need it: the control plane reads metadata alone
     from gguf import quants
 
     raw = ckpt.raw_tensors[gguf_name(name)]
@@ -121,7 +124,7 @@ def read_tensor(ckpt: GGUFCheckpoint, name: str, dtype: torch.dtype) -> torch.Te
         elif part == "self_attn.k_proj":
             array = _unpermute(array, heads[1])
     tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a writable copy
-    return tensor.to(dtype)
+    return tensor if dtype is None else tensor.to(dtype)
 
 
 def _unpermute(array: np.ndarray[Any, Any], num_heads: int) -> np.ndarray[Any, Any]:
