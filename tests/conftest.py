@@ -6,6 +6,16 @@ import os
 
 # Kernel modules read this at import time; set it before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One OpenMP thread in each test process and in every process it starts (set before torch is
+# imported). `make test` runs three test processes and their servers on two cores: a second
+# thread per process only waits at each parallel region for a core, and the oracle's
+# float64 forward passes ran several times slower with it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Workers the tests start skip the startup warm-up of the CPU projection kernels: it runs every
+# projection at each batch size up to 128 (7 s of CPU for SmolLM2 in float32, at every start),
+# so that a server's first steps are not slower than the rest; no test measures those. A row
+# count is built when first used instead (tests/test_models.py checks the warm-up itself).
+os.environ.setdefault("PAGEDSERVE_WARMUP_BATCH_SIZE", "0")
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402

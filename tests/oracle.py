@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,5 +119,47 @@ def hf_model(
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
         kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
+    with shared_gguf_reads():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     return model.eval()
+
+
+def hf_gguf_tokenizer(gguf: Path) -> Any:
+    """transformers' tokenizer of a GGUF file, as it reads the file itself."""
+    from transformers import AutoTokenizer
+
+    with shared_gguf_reads():
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+_readers: dict[tuple[str, int, int], Any] = {}
+
+
+@contextmanager
+def shared_gguf_reads() -> Iterator[None]:
+    """While transformers loads a GGUF: one `gguf.GGUFReader` per file version and one tensor
+    name map per (architecture, layers), reused.
+
+    transformers parses a file's fields anew for the config, the tokenizer and the weights
+    (5 s each for SmolLM2's 49,152-entry vocabulary) and rebuilds the same name map once per
+    tensor (9 s per load); both depend on their arguments alone, so what it reads is unchanged.
+    """
+    import gguf
+
+    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        if mode != "r":
+            return make_reader(path, mode)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if key not in _readers:
+            _readers[key] = make_reader(path, mode)
+        return _readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map

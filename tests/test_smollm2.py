@@ -24,7 +24,7 @@ from pagedserve.bench.chat_prompts import CHAT_PROMPTS
 from pagedserve.gguf import convert_gguf
 from pagedserve.model_source import smollm2_gguf
 from protos.v1 import control_plane_pb2 as pb
-from tests.oracle import hf_greedy, hf_model
+from tests.oracle import hf_gguf_tokenizer, hf_greedy, hf_model
 from tests.procs import ServerProcess
 from tests.stack import Stack, start_stack
 
@@ -69,7 +69,7 @@ def gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(gguf: Path) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return hf_gguf_tokenizer(gguf)
 
 
 @pytest.fixture(scope="module")
