@@ -23,8 +23,14 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_bytes_for_blocks(model_dir: Path, num_blocks: int, dtype: str, block_size: int = 16) -> int:
+    """Bytes of `num_blocks` KV blocks of a CPU worker (`dtype` may be "auto", as the worker
+    resolves it)."""
     import torch
 
+    from gpu_worker.config import AUTO, auto_dtype
+
+    if dtype == AUTO:
+        dtype = auto_dtype("cpu")
     mc = load_config(model_dir)
     geometry = CacheGeometry(
         num_layers=mc.num_hidden_layers,
