@@ -33,14 +33,16 @@ up: $(STAMP) redis-server
 # Tests run TEST_JOBS at a time, one more than two cores since much of an end-to-end test waits
 # on its processes (pytest-xdist; a module stays on one process, so its stacks
 # start once; modules are handed out in the order of tests/conftest.py's LONGEST_FIRST), then
-# those marked serial (wall-clock bounds) alone. A phase that selects no
+# those marked serial (wall-clock bounds) SERIAL_JOBS at a time, after the busy phase: they
+# mostly wait on timers and use well under a core each. A phase that selects no
 # test (exit code 5) is not a failure.
 TEST_JOBS ?= 3
+SERIAL_JOBS ?= 2
 test: $(STAMP) redis-server
 	rc=0; \
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder -m "not serial" $(ARGS) || rc=$$?; \
 	[ $$rc = 5 ] && rc=0; \
-	$(PY) -m pytest -q -m serial $(ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
+	$(PY) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope -m serial $(ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	exit $$rc
 
 lint: $(STAMP)
