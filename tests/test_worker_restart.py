@@ -21,7 +21,12 @@ def test_worker_restart_mid_generation(
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(20, 60))] for _ in range(4)]
     max_tokens = 120
     expected = hf_greedy(micro_llama, prompts, [max_tokens] * len(prompts))
-    stack = start_stack(spawn, micro_llama, dtype="float64")
+    # The requests wait for the restarted worker as long as it takes to start on a loaded
+    # machine: past the failover timeout (10 s by default) they would fail, there being no
+    # other worker to move to.
+    stack = start_stack(
+        spawn, micro_llama, dtype="float64", cp_args=("--worker-failover-timeout", "120")
+    )
     epoch = stack.stats().workers[0].epoch
 
     def run(p: list[int]) -> list[int]:
