@@ -29,6 +29,7 @@ from pagedserve.cli import build_parser
 from pagedserve.model_source import ModelNotFoundError, smollm2_gguf
 from protos.v1 import control_plane_pb2 as pb
 from tests.gateway_stack import HttpProcess, Processes
+from tests.oracle import hf_gguf_tokenizer
 from tests.stack import Stack, request, start_stack
 
 TOKEN = "budget-test-token"
@@ -254,12 +255,12 @@ def test_typed_special_tokens_are_text_with_the_micro_tokenizer(micro_llama: Pat
 
 
 def test_typed_special_tokens_are_text_with_smollm2() -> None:
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     try:
         gguf = smollm2_gguf()
     except ModelNotFoundError as exc:
         pytest.skip(str(exc))
-    hf = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = hf_gguf_tokenizer(gguf)
     tok = load_tokenizer(gguf)
     im_end = hf.convert_tokens_to_ids("<|im_end|>")
     im_start = hf.convert_tokens_to_ids("<|im_start|>")
