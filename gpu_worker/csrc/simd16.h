@@ -84,17 +84,40 @@ static inline void store_bf16x16(uint16_t *p, v16 v) {
 #endif
 }
 
+/* Lane-wise a < b: all-ones lanes where true, zeros elsewhere. Where the machine's vectors
+ * are narrower than 16 floats (AVX2: 8), GCC lowers a 16-lane compare to 16 scalar compares
+ * and inserts; two native 8-lane compares, joined, keep it in vector registers. */
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t i8v __attribute__((vector_size(8 * sizeof(int32_t))));
+
+static inline i16 lt16(v16 a, v16 b) {
+#if defined(__AVX512F__)
+    return a < b;
+#else
+    const v8 alo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8 ahi = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8 blo = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8 bhi = __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+    const i8v lo = alo < blo, hi = ahi < bhi;
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+
+/* Lanes of a where mask is set, of b elsewhere (mask lanes all-ones or zeros, as lt16 gives). */
+static inline v16 select16(i16 mask, v16 a, v16 b) {
+    return (v16)((mask & (i16)a) | (~mask & (i16)b));
+}
+
 /* exp(x) for x <= 0, 16 lanes (libm's expf is a scalar call): x = n*ln2 + r with
  * |r| <= ln2/2 (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor polynomial (relative
  * error < 2e-7), times 2^n built in the exponent bits; n = round(x / ln2) through a truncating
  * conversion, corrected where it rounded up. Below -87 the result is flushed to exp(-87)
  * ~ 1.6e-38. */
 static inline v16 exp_nonpositive16(v16 x) {
-    const i16 low = x < splat16(-87.f);
-    x = (v16)((low & (i16)splat16(-87.f)) | (~low & (i16)x));
+    x = select16(lt16(x, splat16(-87.f)), splat16(-87.f), x);
     const v16 y = x * splat16(1.44269504088896341f) + splat16(0.5f);
     v16 n = __builtin_convertvector(__builtin_convertvector(y, i16), v16);
-    n -= (v16)((i16)(n > y) & (i16)splat16(1.f));
+    n -= (v16)(lt16(y, n) & (i16)splat16(1.f));
     const v16 r = (x - n * splat16(0.693359375f)) - n * splat16(-2.12194440e-4f);
     v16 p = splat16(1.f / 720.f);
     p = p * r + splat16(1.f / 120.f);

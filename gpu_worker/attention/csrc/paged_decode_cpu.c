@@ -213,8 +213,7 @@ static inline __attribute__((always_inline)) void decode_heads(
         v16 mv = splat16(-INFINITY);
         for (int j = 0; j < padded; j += TILE) {
             const v16 x = load16(si + j);
-            const i16 gt = x > mv;
-            mv = (v16)((gt & (i16)x) | (~gt & (i16)mv));
+            mv = select16(lt16(mv, x), x, mv);
         }
         float m = mv[0];
         for (int l = 1; l < TILE; l++) m = mv[l] > m ? mv[l] : m;

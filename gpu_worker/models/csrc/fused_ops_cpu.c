@@ -83,9 +83,8 @@ INLINE void silu_mul(const void *gate_up, void *out, int64_t rows, int inter, in
         for (; i + W <= inter; i += W) {
             /* sigmoid(x) from e = exp(-|x|): 1 / (1 + e) for x >= 0, e / (1 + e) below. */
             const v16 x = ld(gate_up, g + i, t);
-            const i16 neg = x < splat16(0.f);
             const v16 e = exp_nonpositive16((v16)((i16)x | (i16)splat16(-0.f)));
-            const v16 num = (v16)((neg & (i16)e) | (~neg & (i16)splat16(1.f)));
+            const v16 num = select16(lt16(x, splat16(0.f)), e, splat16(1.f));
             st(out, o + i, x * (num / (splat16(1.f) + e)) * ld(gate_up, u + i, t), t);
         }
         for (; i < inter; i++) st1(out, o + i, silu(ld1(gate_up, g + i, t)) * ld1(gate_up, u + i, t), t);
@@ -181,7 +180,7 @@ void widen_top_bf16(const uint16_t *logits, float *out, int64_t *top, int64_t ro
         for (; i + W <= vocab; i += W) {
             const v16 v = load_bf16x16(in + i);
             store16(o + i, v);
-            const i16 above = v > splat16(val[0]);
+            const i16 above = lt16(splat16(val[0]), v);
             int any = 0;
             for (int l = 0; l < W; l++) any |= above[l];
             if (!any) continue;
