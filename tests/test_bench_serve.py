@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 
 from pagedserve.bench.cli import format_report
@@ -23,30 +26,80 @@ from pagedserve.bench.workload import (
     shared_prefix_requests,
 )
 from pagedserve.cli import main as cli_main
+from pagedserve.ports import free_port
 from tests.gateway_stack import GatewayStack, shared_gateway_stack
 
 
-def _sse(req: httpx.Request) -> httpx.Response:
-    """A fake /v1/completions and /v1/chat/completions: one chunk per token (a chat stream
-    opens with a role-only delta), then usage and [DONE]."""
-    if req.url.path == "/v1/models":
-        return httpx.Response(200, json={"data": [{"id": "fake"}]})
-    body = json.loads(req.content)
+def _script(path: str, body: dict[str, Any]) -> tuple[int, list[str] | dict[str, Any]]:
+    """A fake /v1/completions and /v1/chat/completions: one event per token (a chat stream
+    opens with a role-only delta), then usage and [DONE]; or an error's status and body."""
+    if path not in ("/v1/completions", "/v1/chat/completions"):
+        return 404, {"error": {"message": f"no route {path}"}}
     if body["model"] != "fake" or not body["stream"]:
-        return httpx.Response(400, json={"error": {"message": "bad"}})
+        return 400, {"error": {"message": "bad"}}
     n = body["max_tokens"]
-    if req.url.path == "/v1/chat/completions":
+    if path == "/v1/chat/completions":
         choices = [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
         choices += [{"index": 0, "delta": {"content": f"t{i}"}} for i in range(n)]
         prompt_tokens = 7
     else:
         choices = [{"index": 0, "text": f"t{i}"} for i in range(n)]
         prompt_tokens = len(body["prompt"])
-    lines = [json.dumps({"choices": [c]}) for c in choices]
+    events = [json.dumps({"choices": [c]}) for c in choices]
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n}
-    lines.append(json.dumps({"choices": [], "usage": usage}))
-    text = "".join(f"data: {line}\n\n" for line in lines) + "data: [DONE]\n\n"
-    return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+    return 200, [*events, json.dumps({"choices": [], "usage": usage}), "[DONE]"]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """A real HTTP/1.1 server for the scripts above. The streams are chunked as servers do
+    it, with the awkward cases a client must take: an event split over two chunks, two events
+    in one chunk, and (on the chat path) CRLF line ends."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _json(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._json(200, {"data": [{"id": "fake"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        status, script = _script(self.path, body)
+        if isinstance(script, dict):
+            self._json(status, script)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        end = "\r\n" if self.path == "/v1/chat/completions" else "\n"
+        events = [f"data: {e}{end}{end}".encode() for e in script]
+        pieces = [events[0][:9], events[0][9:], *events[1:]]  # split mid-event
+        if len(pieces) > 3:
+            pieces[1:3] = [pieces[1] + pieces[2]]  # two events in one chunk
+        for piece in pieces:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
 
 
 def test_workloads_are_seeded_and_shaped() -> None:
@@ -69,19 +122,25 @@ def test_arrival_schedules() -> None:
         ServeConfig("http://x", request_rates=(0.0,))
 
 
-def test_send_times_every_chunk_and_reads_usage() -> None:
+def test_send_times_every_event_and_reads_usage(fake_url: str) -> None:
     async def go() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(_sse)) as client:
-            res = await send(client, "http://fake", BenchRequest([5, 6], 4), "fake")
-            assert res.ok and res.output_tokens == 4 and len(res.chunk_times) == 4
-            assert 0 <= res.ttft <= res.latency and len(res.itls) == 3
-            assert res.tpot is not None
-            chat = await send(client, "http://fake", chat_requests(1, 3)[0], "fake", False)
-            # The role-only opening delta is not the first token.
-            assert chat.ok and chat.output_tokens == 3 and len(chat.chunk_times) == 3
-            assert chat.prompt_tokens == 7
-            bad = await send(client, "http://fake", BenchRequest([5], 2), "other")
-            assert not bad.ok and bad.error is not None and "HTTP 400" in bad.error
+        res = await send(fake_url, BenchRequest([5, 6], 4), "fake")
+        assert res.ok and res.output_tokens == 4 and len(res.chunk_times) == 4
+        assert 0 <= res.ttft <= res.latency and len(res.itls) == 3
+        assert res.tpot is not None and res.prompt_tokens == 2
+        chat = await send(fake_url, chat_requests(1, 3)[0], "fake", False)
+        # The role-only opening delta is not the first token.
+        assert chat.ok and chat.output_tokens == 3 and len(chat.chunk_times) == 3
+        assert chat.prompt_tokens == 7
+        bad = await send(fake_url, BenchRequest([5], 2), "other")
+        assert not bad.ok and bad.error is not None and "HTTP 400" in bad.error
+        assert '"bad"' in bad.error
+        # A base URL with a path: requests go under it.
+        nested = await send(fake_url + "/prefix/", BenchRequest([5], 2), "fake")
+        assert nested.error is not None and "HTTP 404" in nested.error
+        assert "/prefix/v1/completions" in nested.error
+        gone = await send(f"http://127.0.0.1:{free_port()}", BenchRequest([5], 2), "fake")
+        assert not gone.ok and gone.error is not None and "ConnectionRefused" in gone.error
 
     asyncio.run(go())
     body = request_body(BenchRequest([1, 2], 3), "m", ignore_eos=True)
@@ -91,15 +150,9 @@ def test_send_times_every_chunk_and_reads_usage() -> None:
     assert "prompt" not in chat and chat["max_tokens"] == 9
 
 
-def test_run_and_summaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    real_client = httpx.AsyncClient
-
-    def fake_client(**kw: object) -> httpx.AsyncClient:
-        return real_client(transport=httpx.MockTransport(_sse), **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(httpx, "AsyncClient", fake_client)
+def test_run_and_summaries(fake_url: str, tmp_path: Path) -> None:
     reqs = random_requests(6, LengthRange(2, 4), LengthRange(1, 5), 50, seed=0)
-    cfg = ServeConfig("http://fake", request_rates=(50.0, math.inf), max_concurrency=2)
+    cfg = ServeConfig(fake_url, request_rates=(50.0, math.inf), max_concurrency=2)
     report = asyncio.run(run(cfg, reqs))
     assert report["model"] == "fake" and len(report["runs"]) == 2
     for rate, r in zip(cfg.request_rates, report["runs"], strict=True):
@@ -121,19 +174,13 @@ def test_run_and_summaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_plot_reads_by_rate_and_in_ms(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plot_reads_by_rate_and_in_ms(fake_url: str) -> None:
     """The rate panel: a linear axis whose last tick says "all at once", a legend naming both
     axes' series; TTFT and TPOT in ms; one run alone: three CDFs in a row, figures in the title."""
     from pagedserve.bench.plot import build_figure
 
-    real_client = httpx.AsyncClient
-
-    def fake_client(**kw: object) -> httpx.AsyncClient:
-        return real_client(transport=httpx.MockTransport(_sse), **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(httpx, "AsyncClient", fake_client)
     reqs = random_requests(6, LengthRange(2, 4), LengthRange(2, 5), 50, seed=0)
-    cfg = ServeConfig("http://fake", request_rates=(50.0, 100.0, math.inf), progress=False)
+    cfg = ServeConfig(fake_url, request_rates=(50.0, 100.0, math.inf), progress=False)
     report = asyncio.run(run(cfg, reqs))
     fig = build_figure(report)
     cdfs, rate = fig.axes[:3], fig.axes[3]

@@ -1,14 +1,16 @@
 """One streaming request against an OpenAI-compatible server (`/v1/completions`, or
-`/v1/chat/completions` for a chat request), timed per chunk."""
+`/v1/chat/completions` for a chat request), timed per server-sent event."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import ssl
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
-
-import httpx
+from urllib.parse import urlsplit
 
 from pagedserve.bench.workload import BenchRequest
 
@@ -69,51 +71,145 @@ def _has_content(choice: dict[str, Any]) -> bool:
     return True
 
 
+class _Response:
+    """An HTTP/1.1 response read off a StreamReader: the status, the headers, then the body in
+    the pieces the server framed it in (chunked, by Content-Length, or to the end)."""
+
+    def __init__(self, reader: asyncio.StreamReader, status: int, headers: dict[str, str]):
+        self._reader = reader
+        self.status = status
+        self.headers = headers
+
+    @classmethod
+    async def read_head(cls, reader: asyncio.StreamReader) -> _Response:
+        line = await reader.readline()
+        parts = line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise ValueError(f"not an HTTP/1.x response: {line[:80]!r}")
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return cls(reader, int(parts[1]), headers)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (chunk framing removed)."""
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            buf = bytearray()
+            while True:
+                while (i := buf.find(b"\r\n")) < 0:
+                    if not (data := await self._reader.read(_READ)):
+                        raise ValueError("the connection closed inside a chunked body")
+                    buf += data
+                size = int(bytes(buf[:i]).split(b";", 1)[0], 16)
+                if size == 0:
+                    return
+                end = i + 2 + size
+                while len(buf) < end + 2:
+                    if not (data := await self._reader.read(_READ)):
+                        raise ValueError("the connection closed inside a chunk")
+                    buf += data
+                yield bytes(buf[i + 2 : end])
+                del buf[: end + 2]
+        elif (length := self.headers.get("content-length")) is not None:
+            left = int(length)
+            while left > 0 and (data := await self._reader.read(min(left, _READ))):
+                left -= len(data)
+                yield data
+        else:
+            while data := await self._reader.read(_READ):
+                yield data
+
+
+_READ = 1 << 16
+
+
+async def _open(base_url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str, str]:
+    """A connection to base_url's server; also the Host header and the URL's path prefix."""
+    url = urlsplit(base_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"not an http(s) URL: {base_url!r}")
+    tls = url.scheme == "https"
+    port = url.port or (443 if tls else 80)
+    reader, writer = await asyncio.open_connection(
+        url.hostname, port, ssl=ssl.create_default_context() if tls else None, limit=_READ
+    )
+    return reader, writer, url.netloc, url.path.rstrip("/")
+
+
 async def send(
-    client: httpx.AsyncClient,
     base_url: str,
     req: BenchRequest,
     model: str,
     ignore_eos: bool = True,
     headers: dict[str, str] | None = None,
+    timeout_s: float = 3600.0,
 ) -> RequestResult:
-    """POSTs one streaming completion and reads the SSE stream to its end."""
+    """POSTs one streaming completion and reads the SSE stream to its end, timing each event
+    as it is parsed. The client is a bare HTTP/1.1 one, a connection per request: a load
+    generator shares the machine with what it measures, and every cycle it spends per token
+    is taken from the server."""
     res = RequestResult(ok=False, prompt_tokens=len(req.prompt), max_tokens=req.max_tokens)
     res.start = time.perf_counter()
     counted = 0
     usage_tokens: int | None = None
+    writer: asyncio.StreamWriter | None = None
+    loop = asyncio.get_running_loop()
     try:
-        body = request_body(req, model, ignore_eos)
-        url = base_url.rstrip("/") + request_path(req)
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {text[:300]}"
+        async with asyncio.timeout(timeout_s) as deadline:
+            reader, writer, host, prefix = await _open(base_url)
+            data = json.dumps(request_body(req, model, ignore_eos)).encode()
+            head = [
+                f"POST {prefix}{request_path(req)} HTTP/1.1",
+                f"Host: {host}",
+                "Content-Type: application/json",
+                "Accept: text/event-stream",
+                f"Content-Length: {len(data)}",
+                "Connection: close",
+                *(f"{k}: {v}" for k, v in (headers or {}).items()),
+            ]
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
+            resp = await _Response.read_head(reader)
+            if resp.status != 200:
+                text = b"".join([piece async for piece in resp.body()])
+                res.error = f"HTTP {resp.status}: {text.decode(errors='replace')[:300]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter() - res.start
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    res.error = str(chunk["error"])[:300]
-                    return res
-                if chunk.get("usage"):
-                    usage_tokens = int(chunk["usage"].get("completion_tokens", 0))
-                    res.prompt_tokens = int(chunk["usage"].get("prompt_tokens", res.prompt_tokens))
-                if any(_has_content(c) for c in chunk.get("choices") or ()):
-                    if not res.chunk_times:
-                        res.ttft = now
-                    res.chunk_times.append(now)
-                    counted += 1
+            pending = b""
+            async for piece in resp.body():
+                deadline.reschedule(loop.time() + timeout_s)
+                pending += piece.replace(b"\r\n", b"\n")
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            break
+                        now = time.perf_counter() - res.start
+                        chunk = json.loads(payload)
+                        if chunk.get("error"):
+                            res.error = str(chunk["error"])[:300]
+                            return res
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                            usage_tokens = int(usage.get("completion_tokens", 0))
+                            res.prompt_tokens = int(usage.get("prompt_tokens", res.prompt_tokens))
+                        if any(_has_content(c) for c in chunk.get("choices") or ()):
+                            if not res.chunk_times:
+                                res.ttft = now
+                            res.chunk_times.append(now)
+                            counted += 1
         res.latency = time.perf_counter() - res.start
         res.output_tokens = usage_tokens if usage_tokens is not None else counted
         res.ok = res.output_tokens > 0
         if not res.ok:
             res.error = "the stream carried no tokens"
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+    except TimeoutError:
+        res.error = f"no byte from the server for {timeout_s:g} s"
+    except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        if writer is not None:
+            writer.close()
     return res

@@ -134,7 +134,6 @@ def _error_message(resp: httpx.Response) -> str:
 
 
 async def run_rate(
-    client: httpx.AsyncClient,
     cfg: ServeConfig,
     model: str,
     requests: Sequence[BenchRequest],
@@ -147,7 +146,7 @@ async def run_rate(
 
     async def one(req: BenchRequest) -> RequestResult:
         async with limit:
-            res = await send(client, cfg.base_url, req, model, cfg.ignore_eos, cfg.headers)
+            res = await send(cfg.base_url, req, model, cfg.ignore_eos, cfg.headers, cfg.timeout_s)
         progress.update()
         return res
 
@@ -166,41 +165,38 @@ async def run_rate(
 
 async def run(cfg: ServeConfig, requests: Sequence[BenchRequest]) -> dict[str, Any]:
     """Warm-up, then one run per request rate; the report (summaries and per-request data)."""
-    conns = cfg.max_concurrency or max(len(requests), 1)
-    limits = httpx.Limits(max_connections=conns + 4, max_keepalive_connections=conns + 4)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as client:
         model = await resolve_model(client, cfg)
-        for req in requests[: cfg.num_warmup]:
-            warm = await send(
-                client,
-                cfg.base_url,
-                BenchRequest(req.prompt[:16], 4, req.chat),
-                model,
-                cfg.ignore_eos,
-                cfg.headers,
-            )
-            if not warm.ok:
-                raise BenchError(f"the warm-up request failed: {warm.error}")
-        runs = []
-        for rate in cfg.request_rates:
-            results, duration = await run_rate(client, cfg, model, requests, rate)
-            runs.append(
-                {
-                    "request_rate": rate if math.isfinite(rate) else "inf",
-                    **summarize(results, duration),
-                    "requests": [
-                        {
-                            "arrival_s": r.start,
-                            "prompt_tokens": r.prompt_tokens,
-                            "output_tokens": r.output_tokens,
-                            "ttft_s": r.ttft,
-                            "latency_s": r.latency,
-                            "tpot_s": r.tpot,
-                            "ok": r.ok,
-                        }
-                        for r in results
-                    ],
-                }
-            )
+    for req in requests[: cfg.num_warmup]:
+        warm = await send(
+            cfg.base_url,
+            BenchRequest(req.prompt[:16], 4, req.chat),
+            model,
+            cfg.ignore_eos,
+            cfg.headers,
+            cfg.timeout_s,
+        )
+        if not warm.ok:
+            raise BenchError(f"the warm-up request failed: {warm.error}")
+    runs = []
+    for rate in cfg.request_rates:
+        results, duration = await run_rate(cfg, model, requests, rate)
+        runs.append(
+            {
+                "request_rate": rate if math.isfinite(rate) else "inf",
+                **summarize(results, duration),
+                "requests": [
+                    {
+                        "arrival_s": r.start,
+                        "prompt_tokens": r.prompt_tokens,
+                        "output_tokens": r.output_tokens,
+                        "ttft_s": r.ttft,
+                        "latency_s": r.latency,
+                        "tpot_s": r.tpot,
+                        "ok": r.ok,
+                    }
+                    for r in results
+                ],
+            }
+        )
     return {"model": model, "runs": runs}
