@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_worker import cpu_isa
+from gpu_worker.affinity import unbind_this_thread
 from gpu_worker.attention import create_backend
 from gpu_worker.checkpoint import load_config, load_model, model_name, size_on_disk
 from gpu_worker.config import DTYPES, WorkerConfig
@@ -219,9 +220,9 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
         return Worker(cfg, ModelRunner(model, cache, backend), info)
     # The structured-output compiler (~1 s for a 50k vocabulary) is built while the worker
     # warms up; the first constrained request waits for it if it comes sooner.
-    grammar = futures.ThreadPoolExecutor(1, thread_name_prefix="grammar").submit(
-        lambda: GrammarCompiler(vocab_tokenizer(cfg.model), mc.vocab_size, mc.eos_token_ids)
-    )
+    grammar = futures.ThreadPoolExecutor(
+        1, thread_name_prefix="grammar", initializer=unbind_this_thread
+    ).submit(lambda: GrammarCompiler(vocab_tokenizer(cfg.model), mc.vocab_size, mc.eos_token_ids))
 
     def grammar_compiler() -> GrammarCompiler:
         try:
@@ -287,7 +288,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model = model
         self._stream_lock = threading.Lock()
         self._prepare_slots = threading.BoundedSemaphore(PREPARE_SLOTS)
-        self._compiles = futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="compile")
+        self._compiles = futures.ThreadPoolExecutor(
+            COMPILE_THREADS, thread_name_prefix="compile", initializer=unbind_this_thread
+        )
 
     def Describe(
         self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext
@@ -426,7 +429,9 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
         ("grpc.http2.max_pings_without_data", 0),
     ]
     server = grpc_security.server(
-        cfg.grpc_security, futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), options
+        cfg.grpc_security,
+        futures.ThreadPoolExecutor(max_workers=GRPC_THREADS, initializer=unbind_this_thread),
+        options,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, model), server)
     health_servicer = health.HealthServicer()

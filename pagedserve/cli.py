@@ -137,14 +137,19 @@ def cmd_model_convert(a: argparse.Namespace) -> int:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
+    from gpu_worker.affinity import bind_threads_to_cores
+
+    bound = bind_threads_to_cores(a.device, a.num_threads, a.tensor_parallel_size)  # before torch
     from gpu_worker.checkpoint import CheckpointError
     from gpu_worker.config import WorkerConfig
     from gpu_worker.models.config import UnsupportedModelError
     from gpu_worker.server import WorkerStartupError, serve
     from pagedserve.cluster import stop_on_signals
-    from pagedserve.log import configure_logging
+    from pagedserve.log import configure_logging, get_logger
 
     configure_logging("worker", a.log_format)
+    if bound:
+        get_logger("pagedserve.worker").info("threads_bound", places="cores")
     _check_port(a.host, a.port)
     stop_on_signals()
     with _config_errors():

@@ -48,7 +48,8 @@ def drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
 
 
 class ServerProcess:
-    """`env` is added to the process's environment; `security` is what its health check needs
+    """`env` is added to the process's environment (a None value takes the variable out);
+    `security` is what its health check needs
     (TLS: the token is not needed for health); it is ready when the health service names
     `ready_service` SERVING (a control plane's "liveness": up, with or without workers)."""
 
@@ -57,7 +58,7 @@ class ServerProcess:
         name: str,
         args: list[str],
         ready_address: str,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
         security: GrpcSecurity = INSECURE,
         ready_service: str = "",
     ) -> None:
@@ -66,12 +67,17 @@ class ServerProcess:
         self.security = security
         self.ready_service = ready_service
         self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-        env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", **(env or {})}
+        full = {
+            **os.environ,
+            "PAGEDSERVE_LOG_FORMAT": "json",
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.cli", *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env={k: v for k, v in full.items() if v is not None},
         )
 
     def output(self) -> str:
