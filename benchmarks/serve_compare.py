@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "ITL p50 ms",
                 "failed",
                 "runs",
-            ],  # fmt: skip
+            ],
             [
                 [
                     row["system"],
