@@ -55,6 +55,7 @@ from benchmarks.common import (
     percentile,
     write_json,
 )
+from pagedserve.bench.client import post, sse_payloads
 
 STALL_TIMEOUT_S = 5.0
 
@@ -124,41 +125,29 @@ _TEXT = re.compile(rb'"text": ?"(?!")')
 
 
 async def one(url: str, body: dict[str, Any], kind: str) -> Outcome:
-    """One streamed completion on a connection of its own, through a bare HTTP/1.1 client:
-    the load shares the server's cores, so it must cost them as little as it can."""
+    """One streamed completion on a connection of its own, through the load generator's bare
+    HTTP/1.1 client: the load shares the server's cores, so it must cost them as little as it
+    can."""
     out = Outcome(kind=kind)
-    host, _, port = url.removeprefix("http://").partition(":")
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
     start = time.monotonic()
     writer: asyncio.StreamWriter | None = None
     try:
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(head.encode() + data)
-        status = await reader.readline()
-        out.status = int(status.split()[1])
+        writer, resp = await post(url, "/v1/completions", body)
+        out.status = resp.status
         out.status_s = time.monotonic() - start
-        headers: dict[str, str] = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode().partition(":")
-            headers[name.strip().lower()] = value.strip()
         if out.status != 200:
-            out.retry_after_s = float(headers.get("retry-after", 0))
-            out.error = (await reader.read(1000)).decode(errors="replace")[:200]
+            out.retry_after_s = float(resp.headers.get("retry-after", 0))
+            text = b"".join([piece async for piece in resp.body()])
+            out.error = text.decode(errors="replace")[:200]
             return out
         if kind == "abort":
             return out  # gone before the first token
-        while line := await reader.readline():
-            if not line.startswith(b"data: {"):
-                continue  # chunk sizes, blank lines, [DONE]
-            if line.startswith(b'data: {"error"'):
-                out.error = line[6:206].decode(errors="replace")
+        async for payload in sse_payloads(resp):
+            if payload.startswith(b'{"error"'):
+                out.error = payload[:200].decode(errors="replace")
                 out.status = 500
                 return out
-            if _TEXT.search(line):
+            if _TEXT.search(payload):
                 out.ttft_s = out.ttft_s or time.monotonic() - start
                 out.tokens += 1
                 if kind == "disconnect" and out.tokens >= 3:

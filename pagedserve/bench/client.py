@@ -71,7 +71,7 @@ def _has_content(choice: dict[str, Any]) -> bool:
     return True
 
 
-class _Response:
+class Response:
     """An HTTP/1.1 response read off a StreamReader: the status, the headers, then the body in
     the pieces the server framed it in (chunked, by Content-Length, or to the end)."""
 
@@ -81,7 +81,7 @@ class _Response:
         self.headers = headers
 
     @classmethod
-    async def read_head(cls, reader: asyncio.StreamReader) -> _Response:
+    async def read_head(cls, reader: asyncio.StreamReader) -> Response:
         line = await reader.readline()
         parts = line.split(None, 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
@@ -124,17 +124,53 @@ class _Response:
 _READ = 1 << 16
 
 
-async def _open(base_url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str, str]:
-    """A connection to base_url's server; also the Host header and the URL's path prefix."""
+async def post(
+    base_url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[asyncio.StreamWriter, Response]:
+    """POSTs `body` as JSON to base_url + path on a connection of its own (closed by the
+    server after the response; the caller closes the writer) and reads the response's head."""
     url = urlsplit(base_url)
     if url.scheme not in ("http", "https") or not url.hostname:
         raise ValueError(f"not an http(s) URL: {base_url!r}")
     tls = url.scheme == "https"
-    port = url.port or (443 if tls else 80)
     reader, writer = await asyncio.open_connection(
-        url.hostname, port, ssl=ssl.create_default_context() if tls else None, limit=_READ
+        url.hostname,
+        url.port or (443 if tls else 80),
+        ssl=ssl.create_default_context() if tls else None,
+        limit=_READ,
     )
-    return reader, writer, url.netloc, url.path.rstrip("/")
+    try:
+        data = json.dumps(body).encode()
+        head = [
+            f"POST {url.path.rstrip('/')}{path} HTTP/1.1",
+            f"Host: {url.netloc}",
+            "Content-Type: application/json",
+            "Accept: text/event-stream",
+            f"Content-Length: {len(data)}",
+            "Connection: close",
+            *(f"{k}: {v}" for k, v in (headers or {}).items()),
+        ]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
+        return writer, await Response.read_head(reader)
+    except BaseException:
+        writer.close()
+        raise
+
+
+async def sse_payloads(resp: Response) -> AsyncIterator[bytes]:
+    """The `data:` payloads of a server-sent event stream, in order, up to `[DONE]`; events may
+    be split over the body's pieces or share one, with LF or CRLF line ends."""
+    pending = b""
+    async for piece in resp.body():
+        pending += piece.replace(b"\r\n", b"\n")
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return
+                    yield payload
 
 
 async def send(
@@ -157,49 +193,29 @@ async def send(
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout_s) as deadline:
-            reader, writer, host, prefix = await _open(base_url)
-            data = json.dumps(request_body(req, model, ignore_eos)).encode()
-            head = [
-                f"POST {prefix}{request_path(req)} HTTP/1.1",
-                f"Host: {host}",
-                "Content-Type: application/json",
-                "Accept: text/event-stream",
-                f"Content-Length: {len(data)}",
-                "Connection: close",
-                *(f"{k}: {v}" for k, v in (headers or {}).items()),
-            ]
-            writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
-            resp = await _Response.read_head(reader)
+            writer, resp = await post(
+                base_url, request_path(req), request_body(req, model, ignore_eos), headers
+            )
             if resp.status != 200:
                 text = b"".join([piece async for piece in resp.body()])
                 res.error = f"HTTP {resp.status}: {text.decode(errors='replace')[:300]}"
                 return res
-            pending = b""
-            async for piece in resp.body():
+            async for payload in sse_payloads(resp):
                 deadline.reschedule(loop.time() + timeout_s)
-                pending += piece.replace(b"\r\n", b"\n")
-                *events, pending = pending.split(b"\n\n")
-                for event in events:
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            break
-                        now = time.perf_counter() - res.start
-                        chunk = json.loads(payload)
-                        if chunk.get("error"):
-                            res.error = str(chunk["error"])[:300]
-                            return res
-                        if chunk.get("usage"):
-                            usage = chunk["usage"]
-                            usage_tokens = int(usage.get("completion_tokens", 0))
-                            res.prompt_tokens = int(usage.get("prompt_tokens", res.prompt_tokens))
-                        if any(_has_content(c) for c in chunk.get("choices") or ()):
-                            if not res.chunk_times:
-                                res.ttft = now
-                            res.chunk_times.append(now)
-                            counted += 1
+                now = time.perf_counter() - res.start
+                chunk = json.loads(payload)
+                if chunk.get("error"):
+                    res.error = str(chunk["error"])[:300]
+                    return res
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    usage_tokens = int(usage.get("completion_tokens", 0))
+                    res.prompt_tokens = int(usage.get("prompt_tokens", res.prompt_tokens))
+                if any(_has_content(c) for c in chunk.get("choices") or ()):
+                    if not res.chunk_times:
+                        res.ttft = now
+                    res.chunk_times.append(now)
+                    counted += 1
         res.latency = time.perf_counter() - res.start
         res.output_tokens = usage_tokens if usage_tokens is not None else counted
         res.ok = res.output_tokens > 0
