@@ -44,6 +44,9 @@ class WorkerConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048  # size of the profiling pass on CUDA
     num_threads: int | None = None
+    # The team size of each step measured between the whole team and one thread fewer
+    # (gpu_worker.team); set where the threads are bound (gpu_worker.affinity).
+    adaptive_threads: bool = False
     warmup_batch_size: int = 128  # decode batch sizes whose CPU kernels are built at startup
     grpc_security: GrpcSecurity = INSECURE  # who may call it: token, TLS / mTLS
     tensor_parallel_size: int = 1  # rank processes sharing the model (gpu_worker/parallel.py)

@@ -31,6 +31,7 @@ from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
 from gpu_worker.parallel import Followers, Shard, TPGroup
+from gpu_worker.team import TeamSizer
 from pagedserve import grpc_security, wire
 from pagedserve.grammar import GrammarCompiler, vocab_tokenizer
 from pagedserve.log import get_logger, human_bytes
@@ -122,6 +123,7 @@ class Worker:
     runner: ModelRunner
     info: worker_pb2.WorkerInfo
     followers: Followers | None = None  # tensor parallelism: ranks 1..N-1 (on rank 0)
+    team: TeamSizer | None = None  # the adaptive team size (gpu_worker.team), where enabled
 
     def reset(self) -> None:
         if self.followers is not None:
@@ -230,7 +232,21 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
         except (OSError, ValueError, RuntimeError) as exc:
             raise PlanError(f"structured output is unavailable on this worker: {exc}") from exc
 
-    return Worker(cfg, ModelRunner(model, cache, backend, grammar_compiler), info)
+    return Worker(
+        cfg, ModelRunner(model, cache, backend, grammar_compiler), info, team=_team_sizer(cfg)
+    )
+
+
+def _team_sizer(cfg: WorkerConfig) -> TeamSizer | None:
+    """The adaptive team size where the worker's threads are bound one to a core (one rank on
+    the CPU, its thread count left to the default) and there are two or more of them."""
+    whole = torch.get_num_threads()
+    if not cfg.adaptive_threads or cfg.device != "cpu" or cfg.tensor_parallel_size != 1:
+        return None
+    if whole < 2:
+        return None
+    log.info("threads_adaptive", sizes=[whole - 1, whole])
+    return TeamSizer((whole - 1, whole))
 
 
 def _log_pools(cache: KVCache, cfg: WorkerConfig) -> None:
@@ -374,6 +390,13 @@ def _step(worker: Worker, msg: worker_pb2.StepPlan) -> worker_pb2.StepResult:
     fails its step with INVALID_ARGUMENT, which ends the stream. Under tensor parallelism the
     plan's bytes go to the other ranks first."""
     plan = wire.plan_from_proto(msg)
+    if worker.team is not None:
+        rows, tokens = len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens
+        worker.team.begin(rows, tokens)
+        try:
+            return wire.result_to_proto(worker.runner.execute(plan))
+        finally:
+            worker.team.end(rows)
     if worker.followers is None:
         return wire.result_to_proto(worker.runner.execute(plan))
     worker.followers.send_plan(msg.SerializeToString())

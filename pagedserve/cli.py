@@ -168,6 +168,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
             served_model_name=a.served_model_name,
             max_model_len=a.max_model_len,
             num_threads=a.num_threads,
+            adaptive_threads=bound and not a.no_adaptive_threads,
             tensor_parallel_size=a.tensor_parallel_size,
             warmup_batch_size=a.warmup_batch_size,
             grpc_security=_grpc_security(a),
@@ -338,6 +339,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(p, "--max-model-len", type=int, default=None, help="cap the context length")
     _flag(p, "--num-threads", type=int, default=None, help="torch intra-op threads")
+    _flag(
+        p,
+        "--no-adaptive-threads",
+        action="store_true",
+        help="on a CPU, run every step on every core: no measuring whether one thread fewer "
+        "(a core left to the other processes) serves faster",
+    )
     _flag(
         p,
         "--tensor-parallel-size",

@@ -195,6 +195,7 @@ WORKER_FLAGS = [
     "attention-backend",
     "max-model-len",
     "num-threads",
+    "no-adaptive-threads",
     "tensor-parallel-size",
     "warmup-batch-size",
     "served-model-name",

@@ -1,0 +1,174 @@
+"""How many of the worker's threads each CPU step runs on, chosen by measuring.
+
+On a machine the worker shares with the control plane, the gateway and their clients, every
+thread of the model's OpenMP team is bound to a core (`gpu_worker.affinity`), and every
+parallel region ends at a barrier. When another process takes one of those cores, the team's
+other threads spin at the barrier until it gives the core back: the step stalls, and the other
+process gets none of the waiting threads' time. Where the edge's work per token is large beside
+the model's (a small model streamed to many clients), a team one thread smaller leaves the
+edge a core and the steps run uninterrupted; where the model dominates (a larger model, long
+prompts, no one streaming), the whole team is faster. Which one wins depends on the model, the
+load and the machine, so the worker measures it as it serves. It measures decode steps only:
+a step that carries prompt tokens is mostly large matrix products, which the whole team
+computes well apart, and it is long, so a probe of such steps would cost whole seconds on the
+losing size; those steps always run on the whole team.
+
+    probe:   PAIRS pairs of windows of WINDOW decode steps, one window per team size, the
+             order alternating (A B, B A, ...); a window's rate is its work over its time
+    decide:  the smaller team if the median of the pairs' log rate ratios favours it by more
+             than MARGIN, the whole team otherwise; a pair whose windows' rows differ by more
+             than COMPARABLE times is left out, and with fewer than MIN_PAIRS left the
+             choice stands
+    serve:   that size for decode steps for EXPLOIT_FACTOR times the probe's time (at least
+             EXPLOIT_S), then probe again
+
+A step's time runs from its start to the next step's start: the wait for the next plan counts,
+since a control plane short of CPU sends it late, but a gap longer than the step itself is the
+load's, not the team's, and counts as the step's own length; a step's work is its rows.
+Probing costs little: about 5% of the decode time, half of it on the losing size.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
+
+WINDOW = 4
+PAIRS = 6
+MIN_PAIRS = 3
+COMPARABLE = 1.25
+MARGIN = 0.03
+EXPLOIT_FACTOR = 20
+EXPLOIT_S = 1.0
+
+
+class _Probe:
+    """The measured choice for decode steps."""
+
+    def __init__(self, small: int, whole: int) -> None:
+        self.small, self.whole = small, whole
+        self.chosen = whole
+        self.schedule: list[tuple[int, int]] = []  # (team size, window) of the probe's steps
+        self.windows: list[list[float]] = []  # [work, seconds] per window
+        self.serve_until = 0.0  # probe once the clock passes it
+        self.count = 0
+
+    def next_size(self, now: float) -> tuple[int, int]:
+        """The next step's team size and window (-1: not probing)."""
+        if not self.schedule and not self.windows and now >= self.serve_until:
+            self._start()
+        if self.schedule:
+            return self.schedule.pop(0)
+        return self.chosen, -1
+
+    def book(self, window: int, work: float, seconds: float, now: float) -> None:
+        self.windows[window][0] += work
+        self.windows[window][1] += seconds
+        if window == len(self.windows) - 1 and not self.schedule:
+            self._decide(now)
+
+    def _start(self) -> None:
+        for pair in range(PAIRS):
+            order = (self.small, self.whole) if pair % 2 == 0 else (self.whole, self.small)
+            for size in order:
+                self.schedule += [(size, len(self.windows))] * WINDOW
+                self.windows.append([0.0, 0.0])
+        self.count += 1
+
+    def _decide(self, now: float) -> None:
+        """The median over comparable pairs of log(rate of the smaller team / rate of the
+        whole): pairs whose windows' steps differ in rows by more than COMPARABLE are not
+        (a batch filling up or draining); with fewer than MIN_PAIRS left, the choice stands."""
+        ratios = []
+        probe_s = 0.0
+        for pair in range(PAIRS):
+            a, b = self.windows[2 * pair], self.windows[2 * pair + 1]
+            probe_s += a[1] + b[1]
+            small, whole = (a, b) if pair % 2 == 0 else (b, a)
+            if min(small[0], whole[0]) <= 0 or max(small[0], whole[0]) > COMPARABLE * min(
+                small[0], whole[0]
+            ):
+                continue
+            ratios.append(math.log((small[0] / small[1]) / (whole[0] / whole[1])))
+        self.windows = []
+        previous = self.chosen
+        gain = statistics.median(ratios) if ratios else 0.0
+        if len(ratios) >= MIN_PAIRS:
+            self.chosen = self.small if gain > MARGIN else self.whole
+        self.serve_until = now + max(EXPLOIT_S, EXPLOIT_FACTOR * probe_s)
+        log.debug(
+            "threads_probed",
+            threads=self.chosen,
+            measured_gain=round(math.expm1(gain), 3),
+            pairs=[round(r, 3) for r in ratios],
+            probe_s=round(probe_s, 3),
+        )
+        if self.chosen != previous:
+            log.info(
+                "threads_resized",
+                threads=self.chosen,
+                of=self.whole,
+                measured_gain=round(math.expm1(gain), 3),
+            )
+
+
+class TeamSizer:
+    """Picks the team size of each step (`begin`) from the decode steps it has timed (`end`);
+    on the model thread only. `sizes` is (smaller, whole); `set_threads` applies a size
+    (torch's `set_num_threads`, which oneDNN, torch's kernels and ours follow)."""
+
+    def __init__(
+        self,
+        sizes: tuple[int, int],
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.small, self.whole = sizes
+        self._set_threads = set_threads
+        self._clock = clock
+        self.probe = _Probe(self.small, self.whole)
+        self._applied = self.whole
+        self._open: tuple[float, int] | None = None  # the step begun last: start, window
+        self._last: tuple[float, int, float, int] | None = None  # start, window, end, rows
+
+    def begin(self, rows: int, tokens: int) -> int:
+        """Before a step of `rows` requests and `tokens` tokens: sets and returns its team size;
+        books the previous step, now that its time is known."""
+        now = self._clock()
+        self._book(now)
+        window = -1
+        if tokens > rows:  # prompt tokens: the whole team, unmeasured
+            size = self.whole
+        else:
+            size, window = self.probe.next_size(now)
+        if size != self._applied:
+            self._set_threads(size)
+            self._applied = size
+        self._open = (now, window)
+        return size
+
+    def end(self, rows: int) -> None:
+        """After the step begun last, of `rows` requests."""
+        if self._open is not None:
+            start, window = self._open
+            self._open = None
+            self._last = (start, window, self._clock(), rows)
+
+    def _book(self, now: float) -> None:
+        """The previous step into its window: from its start to `now`, a gap past its own
+        length counting as that length."""
+        if self._last is None:
+            return
+        start, window, end, rows = self._last
+        self._last = None
+        if window >= 0:
+            busy = end - start
+            self.probe.book(window, rows, busy + min(now - end, busy), now)

@@ -1,0 +1,133 @@
+"""The worker's team size per decode step, measured between the whole team and one thread
+fewer (gpu_worker.team), with a clock that advances by what each size is made to cost."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gpu_worker import team
+from gpu_worker.team import TeamSizer
+from tests.procs import ServerProcess, free_port
+from tests.stack import worker_cli_args
+
+
+class Machine:
+    """A fake clock and the thread counts set: a step of `rows` rows takes `cost(size, rows)`
+    seconds on a team of `size`, then the next plan comes after `gap` seconds."""
+
+    def __init__(self, cost: Callable[[int, int], float], gap: float = 0.0) -> None:
+        self.now = 0.0
+        self.cost = cost
+        self.gap = gap
+        self.applied: list[int] = []
+        self.sizer = TeamSizer((1, 2), set_threads=self.applied.append, clock=lambda: self.now)
+
+    def step(self, rows: int = 64, tokens: int | None = None) -> int:
+        tokens = rows if tokens is None else tokens
+        size = self.sizer.begin(rows, tokens)
+        self.now += self.cost(size, rows)
+        self.sizer.end(rows)
+        self.now += self.gap
+        return size
+
+    def run(self, steps: int, **kw: int) -> list[int]:
+        return [self.step(**kw) for _ in range(steps)]
+
+
+PROBE_STEPS = team.PAIRS * 2 * team.WINDOW
+
+
+def test_a_probe_alternates_the_sizes_and_keeps_the_faster_smaller_team() -> None:
+    m = Machine(lambda size, rows: 0.010 if size == 1 else 0.013)
+    sizes = m.run(PROBE_STEPS)
+    # Pairs of windows, the order alternating: small whole, whole small, ...
+    assert sizes[: 4 * team.WINDOW] == [1] * 4 + [2] * 8 + [1] * 4
+    assert sizes.count(1) == sizes.count(2) == PROBE_STEPS // 2
+    assert m.run(50) == [1] * 50
+    assert m.sizer.probe.chosen == 1
+    assert m.applied[-1] == 1
+
+
+def test_the_whole_team_stays_when_it_is_faster_or_as_fast() -> None:
+    for small_cost in (0.020, 0.0101):  # slower; 1% faster is within the margin
+        m = Machine(lambda size, rows, c=small_cost: c if size == 1 else 0.010)
+        m.run(PROBE_STEPS)
+        assert m.run(30) == [2] * 30
+
+
+def test_steps_with_prompt_tokens_run_on_the_whole_team_unmeasured() -> None:
+    m = Machine(lambda size, rows: 0.010 if size == 1 else 0.013)
+    assert m.step(rows=4, tokens=600) == 2
+    sizes = []
+    for i in range(PROBE_STEPS * 2):
+        if i % 3 == 0:
+            # A prompt step, slow on the small team: were it booked, the small team would lose.
+            assert m.step(rows=8, tokens=1000) == 2
+        else:
+            sizes.append(m.step())
+    assert sizes[-10:] == [1] * 10
+
+
+def test_an_idle_gap_counts_no_more_than_the_step_itself() -> None:
+    # The small team is faster, and the load leaves long gaps between steps: the gaps, the
+    # same for both sizes, must not drown the difference.
+    m = Machine(lambda size, rows: 0.010 if size == 1 else 0.014, gap=5.0)
+    m.run(PROBE_STEPS + 1)  # a step is booked when the next one begins
+    assert m.sizer.probe.chosen == 1
+
+
+def test_a_late_plan_counts_against_the_size_that_made_it_late() -> None:
+    # Equal step times, but after a whole-team step the next plan comes 4 ms late (the
+    # control plane was short of CPU): the smaller team serves more tokens a second.
+    class Late(Machine):
+        def step(self, rows: int = 64, tokens: int | None = None) -> int:
+            size = super().step(rows, tokens)
+            self.now += 0.004 if size == 2 else 0.0
+            return size
+
+    m = Late(lambda size, rows: 0.010)
+    m.run(PROBE_STEPS + 1)
+    assert m.sizer.probe.chosen == 1
+
+
+def test_it_probes_again_and_follows_a_change_in_the_load() -> None:
+    costs = {1: 0.010, 2: 0.013}
+    m = Machine(lambda size, rows: costs[size])
+    m.run(PROBE_STEPS + 1)
+    assert m.sizer.probe.chosen == 1
+    costs[1] = 0.020  # the edge went quiet: the whole team wins now
+    probe_s = PROBE_STEPS * 0.0115
+    serve_s = max(team.EXPLOIT_S, team.EXPLOIT_FACTOR * probe_s)
+    served = m.run(int(serve_s / 0.020) - 2)
+    assert set(served) == {1}  # no probe before the serving time is over
+    m.run(PROBE_STEPS + 10)
+    assert m.sizer.probe.chosen == 2
+    assert m.sizer.probe.count == 2
+
+
+def test_a_probe_over_a_batch_that_fills_up_leaves_the_choice_as_it_was() -> None:
+    m = Machine(lambda size, rows: 0.010 if size == 1 else 0.013)
+    # Every window's rows twice the previous one's: no pair compares like with like.
+    rows = 1
+    for i in range(PROBE_STEPS):
+        if i % team.WINDOW == 0:
+            rows *= 2
+        m.step(rows=rows)
+    assert m.sizer.probe.chosen == 2
+    assert m.sizer.probe.count == 1
+
+
+@pytest.mark.parametrize("flag, adaptive", [((), True), (("--no-adaptive-threads",), False)])
+def test_a_default_worker_sizes_its_team_unless_told_not_to(
+    spawn: Callable[..., ServerProcess], micro_llama: Path, flag: tuple[str, ...], adaptive: bool
+) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: one team size")
+    port = free_port()
+    args = [*worker_cli_args(micro_llama, port, 64, 0, "float32"), *flag]
+    w = spawn("worker", *args, ready_address=f"127.0.0.1:{port}", env={"OMP_NUM_THREADS": None})
+    assert ('"threads_adaptive"' in w.output()) is adaptive
