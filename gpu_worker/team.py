@@ -18,7 +18,8 @@ losing size; those steps always run on the whole team.
     decide:  the smaller team if the median of the pairs' log rate ratios favours it by more
              than MARGIN, the whole team otherwise; a pair whose windows' rows differ by more
              than COMPARABLE times is left out, and with fewer than MIN_PAIRS left the
-             choice stands
+             choice stands; once two pairs show the smaller team more than 15% slower,
+             the probe ends there
     serve:   that size for decode steps for EXPLOIT_FACTOR times the probe's time (at least
              EXPLOIT_S), then probe again
 
@@ -46,6 +47,7 @@ PAIRS = 6
 MIN_PAIRS = 3
 COMPARABLE = 1.25
 MARGIN = 0.03
+CLEAR_LOSS = math.log(0.85)
 EXPLOIT_FACTOR = 20
 EXPLOIT_S = 1.0
 
@@ -57,7 +59,7 @@ class _Probe:
         self.small, self.whole = small, whole
         self.chosen = whole
         self.schedule: list[tuple[int, int]] = []  # (team size, window) of the probe's steps
-        self.windows: list[list[float]] = []  # [work, seconds] per window
+        self.windows: list[list[float]] = []  # [work, seconds, steps] per window
         self.serve_until = 0.0  # probe once the clock passes it
         self.count = 0
 
@@ -70,38 +72,52 @@ class _Probe:
         return self.chosen, -1
 
     def book(self, window: int, work: float, seconds: float, now: float) -> None:
-        self.windows[window][0] += work
-        self.windows[window][1] += seconds
-        if window == len(self.windows) - 1 and not self.schedule:
-            self._decide(now)
+        if window >= len(self.windows):  # a window of a probe that ended early
+            return
+        counts = self.windows[window]
+        counts[0] += work
+        counts[1] += seconds
+        counts[2] += 1
+        if window % 2 == 0 or counts[2] < WINDOW:
+            return
+        # A pair is complete: the probe ends after its last pair, or sooner once the smaller
+        # team has clearly lost every pair so far (on a model the whole team computes far
+        # faster, each probe step on the smaller one costs much).
+        ratios = self._ratios(window // 2 + 1)
+        lost = len(ratios) >= 2 and max(ratios) < CLEAR_LOSS
+        if lost or window == len(self.windows) - 1:
+            self.schedule = []
+            self._decide(ratios, now, lost)
+
+    def _ratios(self, pairs: int) -> list[float]:
+        """log(rate of the smaller team / rate of the whole) of the first `pairs` pairs that
+        compare like with like: a pair whose windows' rows differ by more than COMPARABLE
+        times (a batch filling up or draining) is left out."""
+        ratios = []
+        for pair in range(pairs):
+            a, b = self.windows[2 * pair], self.windows[2 * pair + 1]
+            small, whole = (a, b) if pair % 2 == 0 else (b, a)
+            low, high = sorted((small[0], whole[0]))
+            if low > 0 and high <= COMPARABLE * low:
+                ratios.append(math.log((small[0] / small[1]) / (whole[0] / whole[1])))
+        return ratios
 
     def _start(self) -> None:
         for pair in range(PAIRS):
             order = (self.small, self.whole) if pair % 2 == 0 else (self.whole, self.small)
             for size in order:
                 self.schedule += [(size, len(self.windows))] * WINDOW
-                self.windows.append([0.0, 0.0])
+                self.windows.append([0.0, 0.0, 0])
         self.count += 1
 
-    def _decide(self, now: float) -> None:
-        """The median over comparable pairs of log(rate of the smaller team / rate of the
-        whole): pairs whose windows' steps differ in rows by more than COMPARABLE are not
-        (a batch filling up or draining); with fewer than MIN_PAIRS left, the choice stands."""
-        ratios = []
-        probe_s = 0.0
-        for pair in range(PAIRS):
-            a, b = self.windows[2 * pair], self.windows[2 * pair + 1]
-            probe_s += a[1] + b[1]
-            small, whole = (a, b) if pair % 2 == 0 else (b, a)
-            if min(small[0], whole[0]) <= 0 or max(small[0], whole[0]) > COMPARABLE * min(
-                small[0], whole[0]
-            ):
-                continue
-            ratios.append(math.log((small[0] / small[1]) / (whole[0] / whole[1])))
+    def _decide(self, ratios: list[float], now: float, lost: bool) -> None:
+        """The median of the pairs' ratios; with fewer than MIN_PAIRS (and no clear loss),
+        the choice stands."""
+        probe_s = sum(seconds for _, seconds, _ in self.windows)
         self.windows = []
         previous = self.chosen
         gain = statistics.median(ratios) if ratios else 0.0
-        if len(ratios) >= MIN_PAIRS:
+        if lost or len(ratios) >= MIN_PAIRS:
             self.chosen = self.small if gain > MARGIN else self.whole
         self.serve_until = now + max(EXPLOIT_S, EXPLOIT_FACTOR * probe_s)
         log.debug(

@@ -131,3 +131,11 @@ def test_a_default_worker_sizes_its_team_unless_told_not_to(
     args = [*worker_cli_args(micro_llama, port, 64, 0, "float32"), *flag]
     w = spawn("worker", *args, ready_address=f"127.0.0.1:{port}", env={"OMP_NUM_THREADS": None})
     assert ('"threads_adaptive"' in w.output()) is adaptive
+
+
+def test_a_probe_ends_early_where_the_smaller_team_clearly_loses() -> None:
+    m = Machine(lambda size, rows: 0.100 if size == 1 else 0.060)
+    sizes = m.run(2 * 2 * team.WINDOW + 1)  # two pairs, and the step that books the last
+    assert m.sizer.probe.chosen == 2
+    assert sizes[-1] == 2
+    assert m.run(40) == [2] * 40
