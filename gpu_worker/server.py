@@ -391,12 +391,11 @@ def _step(worker: Worker, msg: worker_pb2.StepPlan) -> worker_pb2.StepResult:
     plan's bytes go to the other ranks first."""
     plan = wire.plan_from_proto(msg)
     if worker.team is not None:
-        rows, tokens = len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens
-        worker.team.begin(rows, tokens)
+        worker.team.begin(len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens)
         try:
             return wire.result_to_proto(worker.runner.execute(plan))
         finally:
-            worker.team.end(rows)
+            worker.team.end()
     if worker.followers is None:
         return wire.result_to_proto(worker.runner.execute(plan))
     worker.followers.send_plan(msg.SerializeToString())

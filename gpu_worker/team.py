@@ -8,25 +8,27 @@ process gets none of the waiting threads' time. Where the edge's work per token 
 the model's (a small model streamed to many clients), a team one thread smaller leaves the
 edge a core and the steps run uninterrupted; where the model dominates (a larger model, long
 prompts, no one streaming), the whole team is faster. Which one wins depends on the model, the
-load and the machine, so the worker measures it as it serves. It measures decode steps only:
-a step that carries prompt tokens is mostly large matrix products, which the whole team
-computes well apart, and it is long, so a probe of such steps would cost whole seconds on the
-losing size; those steps always run on the whole team.
+load and the machine, so the worker measures it as it serves, apart for decode steps and for
+steps that carry prompt tokens: the two differ in how well the team computes them apart (a
+prompt step is mostly large matrix products) and in when the edge is busy beside them (a
+burst of new requests comes with its prompt steps).
 
-    probe:   PAIRS pairs of windows of WINDOW decode steps, one window per team size, the
-             order alternating (A B, B A, ...); a window's rate is its work over its time
+    probe:   pairs of windows, one window per team size, the order alternating (A B, B A,
+             ...): PAIRS pairs of WINDOW decode steps, or PROMPT_PAIRS pairs of PROMPT_WINDOW
+             prompt steps (long, so the probe stays short); a window's rate is its work (rows
+             of a decode step, tokens of a prompt step) over its time
     decide:  the smaller team if the median of the pairs' log rate ratios favours it by more
-             than MARGIN, the whole team otherwise; a pair whose windows' rows differ by more
-             than COMPARABLE times is left out, and with fewer than MIN_PAIRS left the
-             choice stands; once two pairs show the smaller team more than 15% slower,
-             the probe ends there
-    serve:   that size for decode steps for EXPLOIT_FACTOR times the probe's time (at least
-             EXPLOIT_S), then probe again
+             than MARGIN, the whole team otherwise; a pair whose windows' work differs by more
+             than COMPARABLE times is left out, and with fewer than MIN_PAIRS left the choice
+             stands; once two pairs show the smaller team more than 15% slower, the probe
+             ends there
+    serve:   that size for the kind's steps for EXPLOIT_FACTOR times the probe's time (at
+             least EXPLOIT_S), then probe again
 
 A step's time runs from its start to the next step's start: the wait for the next plan counts,
 since a control plane short of CPU sends it late, but a gap longer than the step itself is the
-load's, not the team's, and counts as the step's own length; a step's work is its rows.
-Probing costs little: about 5% of the decode time, half of it on the losing size.
+load's, not the team's, and counts as the step's own length. Probing costs little: about 5% of
+the time, half of it on the losing size.
 """
 
 from __future__ import annotations
@@ -48,15 +50,19 @@ MIN_PAIRS = 3
 COMPARABLE = 1.25
 MARGIN = 0.03
 CLEAR_LOSS = math.log(0.85)
+PROMPT_WINDOW = 1
+PROMPT_PAIRS = 4
 EXPLOIT_FACTOR = 20
 EXPLOIT_S = 1.0
 
 
 class _Probe:
-    """The measured choice for decode steps."""
+    """The measured choice for one kind of step: `window` steps a window, `pairs` pairs."""
 
-    def __init__(self, small: int, whole: int) -> None:
+    def __init__(self, kind: str, small: int, whole: int, window: int, pairs: int) -> None:
+        self.kind = kind
         self.small, self.whole = small, whole
+        self.window, self.pairs = window, pairs
         self.chosen = whole
         self.schedule: list[tuple[int, int]] = []  # (team size, window) of the probe's steps
         self.windows: list[list[float]] = []  # [work, seconds, steps] per window
@@ -78,7 +84,7 @@ class _Probe:
         counts[0] += work
         counts[1] += seconds
         counts[2] += 1
-        if window % 2 == 0 or counts[2] < WINDOW:
+        if window % 2 == 0 or counts[2] < self.window:
             return
         # A pair is complete: the probe ends after its last pair, or sooner once the smaller
         # team has clearly lost every pair so far (on a model the whole team computes far
@@ -103,10 +109,10 @@ class _Probe:
         return ratios
 
     def _start(self) -> None:
-        for pair in range(PAIRS):
+        for pair in range(self.pairs):
             order = (self.small, self.whole) if pair % 2 == 0 else (self.whole, self.small)
             for size in order:
-                self.schedule += [(size, len(self.windows))] * WINDOW
+                self.schedule += [(size, len(self.windows))] * self.window
                 self.windows.append([0.0, 0.0, 0])
         self.count += 1
 
@@ -117,11 +123,12 @@ class _Probe:
         self.windows = []
         previous = self.chosen
         gain = statistics.median(ratios) if ratios else 0.0
-        if lost or len(ratios) >= MIN_PAIRS:
+        if lost or len(ratios) >= min(MIN_PAIRS, self.pairs):
             self.chosen = self.small if gain > MARGIN else self.whole
         self.serve_until = now + max(EXPLOIT_S, EXPLOIT_FACTOR * probe_s)
         log.debug(
             "threads_probed",
+            kind=self.kind,
             threads=self.chosen,
             measured_gain=round(math.expm1(gain), 3),
             pairs=[round(r, 3) for r in ratios],
@@ -130,6 +137,7 @@ class _Probe:
         if self.chosen != previous:
             log.info(
                 "threads_resized",
+                kind=self.kind,
                 threads=self.chosen,
                 of=self.whole,
                 measured_gain=round(math.expm1(gain), 3),
@@ -137,7 +145,7 @@ class _Probe:
 
 
 class TeamSizer:
-    """Picks the team size of each step (`begin`) from the decode steps it has timed (`end`);
+    """Picks the team size of each step (`begin`) from the steps it has timed (`end`);
     on the model thread only. `sizes` is (smaller, whole); `set_threads` applies a size
     (torch's `set_num_threads`, which oneDNN, torch's kernels and ours follow)."""
 
@@ -150,41 +158,39 @@ class TeamSizer:
         self.small, self.whole = sizes
         self._set_threads = set_threads
         self._clock = clock
-        self.probe = _Probe(self.small, self.whole)
+        self.decode = _Probe("decode", self.small, self.whole, WINDOW, PAIRS)
+        self.prompt = _Probe("prompt", self.small, self.whole, PROMPT_WINDOW, PROMPT_PAIRS)
         self._applied = self.whole
-        self._open: tuple[float, int] | None = None  # the step begun last: start, window
-        self._last: tuple[float, int, float, int] | None = None  # start, window, end, rows
+        # The step begun last: its probe, start, window, work; then, once ended, its end.
+        self._open: tuple[_Probe, float, int, int] | None = None
+        self._last: tuple[_Probe, float, int, int, float] | None = None
 
     def begin(self, rows: int, tokens: int) -> int:
         """Before a step of `rows` requests and `tokens` tokens: sets and returns its team size;
         books the previous step, now that its time is known."""
         now = self._clock()
         self._book(now)
-        window = -1
-        if tokens > rows:  # prompt tokens: the whole team, unmeasured
-            size = self.whole
-        else:
-            size, window = self.probe.next_size(now)
+        probe, work = (self.decode, rows) if tokens <= rows else (self.prompt, tokens)
+        size, window = probe.next_size(now)
         if size != self._applied:
             self._set_threads(size)
             self._applied = size
-        self._open = (now, window)
+        self._open = (probe, now, window, work)
         return size
 
-    def end(self, rows: int) -> None:
-        """After the step begun last, of `rows` requests."""
+    def end(self) -> None:
+        """After the step begun last."""
         if self._open is not None:
-            start, window = self._open
+            self._last = (*self._open, self._clock())
             self._open = None
-            self._last = (start, window, self._clock(), rows)
 
     def _book(self, now: float) -> None:
         """The previous step into its window: from its start to `now`, a gap past its own
         length counting as that length."""
         if self._last is None:
             return
-        start, window, end, rows = self._last
+        probe, start, window, work, end = self._last
         self._last = None
         if window >= 0:
             busy = end - start
-            self.probe.book(window, rows, busy + min(now - end, busy), now)
+            probe.book(window, work, busy + min(now - end, busy), now)

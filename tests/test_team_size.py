@@ -30,7 +30,7 @@ class Machine:
         tokens = rows if tokens is None else tokens
         size = self.sizer.begin(rows, tokens)
         self.now += self.cost(size, rows)
-        self.sizer.end(rows)
+        self.sizer.end()
         self.now += self.gap
         return size
 
@@ -48,7 +48,7 @@ def test_a_probe_alternates_the_sizes_and_keeps_the_faster_smaller_team() -> Non
     assert sizes[: 4 * team.WINDOW] == [1] * 4 + [2] * 8 + [1] * 4
     assert sizes.count(1) == sizes.count(2) == PROBE_STEPS // 2
     assert m.run(50) == [1] * 50
-    assert m.sizer.probe.chosen == 1
+    assert m.sizer.decode.chosen == 1
     assert m.applied[-1] == 1
 
 
@@ -59,17 +59,26 @@ def test_the_whole_team_stays_when_it_is_faster_or_as_fast() -> None:
         assert m.run(30) == [2] * 30
 
 
-def test_steps_with_prompt_tokens_run_on_the_whole_team_unmeasured() -> None:
-    m = Machine(lambda size, rows: 0.010 if size == 1 else 0.013)
-    assert m.step(rows=4, tokens=600) == 2
-    sizes = []
+def test_prompt_steps_are_measured_apart_from_decode_steps() -> None:
+    # Decode steps run faster on the smaller team, prompt steps on the whole one: each kind
+    # ends on its own size, its probe of short windows.
+    def cost(size: int, rows: int) -> float:
+        if rows == 64:  # decode
+            return 0.010 if size == 1 else 0.013
+        return 0.160 if size == 1 else 0.080
+
+    m = Machine(cost)
+    prompt_sizes, decode_sizes = [], []
     for i in range(PROBE_STEPS * 2):
-        if i % 3 == 0:
-            # A prompt step, slow on the small team: were it booked, the small team would lose.
-            assert m.step(rows=8, tokens=1000) == 2
+        if i % 4 == 0:
+            prompt_sizes.append(m.step(rows=16, tokens=2048))
         else:
-            sizes.append(m.step())
-    assert sizes[-10:] == [1] * 10
+            decode_sizes.append(m.step())
+    assert prompt_sizes[:4] == [1, 2, 2, 1]  # windows of one step
+    assert m.sizer.prompt.count == 1 and m.sizer.prompt.chosen == 2
+    assert set(prompt_sizes[4:]) == {2}
+    assert m.sizer.decode.chosen == 1
+    assert decode_sizes[-10:] == [1] * 10
 
 
 def test_an_idle_gap_counts_no_more_than_the_step_itself() -> None:
@@ -77,7 +86,7 @@ def test_an_idle_gap_counts_no_more_than_the_step_itself() -> None:
     # same for both sizes, must not drown the difference.
     m = Machine(lambda size, rows: 0.010 if size == 1 else 0.014, gap=5.0)
     m.run(PROBE_STEPS + 1)  # a step is booked when the next one begins
-    assert m.sizer.probe.chosen == 1
+    assert m.sizer.decode.chosen == 1
 
 
 def test_a_late_plan_counts_against_the_size_that_made_it_late() -> None:
@@ -91,22 +100,22 @@ def test_a_late_plan_counts_against_the_size_that_made_it_late() -> None:
 
     m = Late(lambda size, rows: 0.010)
     m.run(PROBE_STEPS + 1)
-    assert m.sizer.probe.chosen == 1
+    assert m.sizer.decode.chosen == 1
 
 
 def test_it_probes_again_and_follows_a_change_in_the_load() -> None:
     costs = {1: 0.010, 2: 0.013}
     m = Machine(lambda size, rows: costs[size])
     m.run(PROBE_STEPS + 1)
-    assert m.sizer.probe.chosen == 1
+    assert m.sizer.decode.chosen == 1
     costs[1] = 0.020  # the edge went quiet: the whole team wins now
     probe_s = PROBE_STEPS * 0.0115
     serve_s = max(team.EXPLOIT_S, team.EXPLOIT_FACTOR * probe_s)
     served = m.run(int(serve_s / 0.020) - 2)
     assert set(served) == {1}  # no probe before the serving time is over
     m.run(PROBE_STEPS + 10)
-    assert m.sizer.probe.chosen == 2
-    assert m.sizer.probe.count == 2
+    assert m.sizer.decode.chosen == 2
+    assert m.sizer.decode.count == 2
 
 
 def test_a_probe_over_a_batch_that_fills_up_leaves_the_choice_as_it_was() -> None:
@@ -117,8 +126,8 @@ def test_a_probe_over_a_batch_that_fills_up_leaves_the_choice_as_it_was() -> Non
         if i % team.WINDOW == 0:
             rows *= 2
         m.step(rows=rows)
-    assert m.sizer.probe.chosen == 2
-    assert m.sizer.probe.count == 1
+    assert m.sizer.decode.chosen == 2
+    assert m.sizer.decode.count == 1
 
 
 @pytest.mark.parametrize("flag, adaptive", [((), True), (("--no-adaptive-threads",), False)])
@@ -136,6 +145,6 @@ def test_a_default_worker_sizes_its_team_unless_told_not_to(
 def test_a_probe_ends_early_where_the_smaller_team_clearly_loses() -> None:
     m = Machine(lambda size, rows: 0.100 if size == 1 else 0.060)
     sizes = m.run(2 * 2 * team.WINDOW + 1)  # two pairs, and the step that books the last
-    assert m.sizer.probe.chosen == 2
+    assert m.sizer.decode.chosen == 2
     assert sizes[-1] == 2
     assert m.run(40) == [2] * 40
