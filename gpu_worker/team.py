@@ -20,10 +20,11 @@ burst of new requests comes with its prompt steps).
     decide:  the smaller team if the median of the pairs' log rate ratios favours it by more
              than MARGIN, the whole team otherwise; a pair whose windows' work differs by more
              than COMPARABLE times is left out, and with fewer than MIN_PAIRS left the choice
-             stands; once two pairs show the smaller team more than 15% slower, the probe
-             ends there
+             stands; once the pairs show the smaller team clearly slower (CLEAR_LOSS), the
+             probe ends there
     serve:   that size for the kind's steps for EXPLOIT_FACTOR times the probe's time (at
-             least EXPLOIT_S), then probe again
+             least EXPLOIT_S), then probe again; the first probe comes after EXPLOIT_S on
+             the whole team
 
 A step's time runs from its start to the next step's start: the wait for the next plan counts,
 since a control plane short of CPU sends it late, but a gap longer than the step itself is the
@@ -49,7 +50,9 @@ PAIRS = 6
 MIN_PAIRS = 3
 COMPARABLE = 1.25
 MARGIN = 0.03
-CLEAR_LOSS = math.log(0.85)
+# The probe ends once every pair so far shows the smaller team slower than this: one pair at
+# less than 0.7 times the whole team's rate, two or more at less than 0.85.
+CLEAR_LOSS = (math.log(0.7), math.log(0.85))
 PROMPT_WINDOW = 1
 PROMPT_PAIRS = 4
 EXPLOIT_FACTOR = 20
@@ -66,11 +69,13 @@ class _Probe:
         self.chosen = whole
         self.schedule: list[tuple[int, int]] = []  # (team size, window) of the probe's steps
         self.windows: list[list[float]] = []  # [work, seconds, steps] per window
-        self.serve_until = 0.0  # probe once the clock passes it
+        self.serve_until: float | None = None  # probe once the clock passes it
         self.count = 0
 
     def next_size(self, now: float) -> tuple[int, int]:
         """The next step's team size and window (-1: not probing)."""
+        if self.serve_until is None:  # the first step: serve a while before the first probe
+            self.serve_until = now + EXPLOIT_S
         if not self.schedule and not self.windows and now >= self.serve_until:
             self._start()
         if self.schedule:
@@ -90,7 +95,7 @@ class _Probe:
         # team has clearly lost every pair so far (on a model the whole team computes far
         # faster, each probe step on the smaller one costs much).
         ratios = self._ratios(window // 2 + 1)
-        lost = len(ratios) >= 2 and max(ratios) < CLEAR_LOSS
+        lost = bool(ratios) and max(ratios) < CLEAR_LOSS[min(len(ratios), 2) - 1]
         if lost or window == len(self.windows) - 1:
             self.schedule = []
             self._decide(ratios, now, lost)

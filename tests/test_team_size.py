@@ -25,6 +25,8 @@ class Machine:
         self.gap = gap
         self.applied: list[int] = []
         self.sizer = TeamSizer((1, 2), set_threads=self.applied.append, clock=lambda: self.now)
+        # A worker that has served a while: its first probe is due (see the test below).
+        self.sizer.decode.serve_until = self.sizer.prompt.serve_until = 0.0
 
     def step(self, rows: int = 64, tokens: int | None = None) -> int:
         tokens = rows if tokens is None else tokens
@@ -52,6 +54,16 @@ def test_a_probe_alternates_the_sizes_and_keeps_the_faster_smaller_team() -> Non
     assert m.applied[-1] == 1
 
 
+def test_a_new_worker_serves_on_the_whole_team_before_its_first_probe() -> None:
+    m = Machine(lambda size, rows: 0.010 if size == 1 else 0.013)
+    m.sizer.decode.serve_until = m.sizer.prompt.serve_until = None
+    first = int(team.EXPLOIT_S / 0.013)
+    assert m.run(first) == [2] * first
+    assert m.sizer.decode.count == 0
+    assert 1 in m.run(10)
+    assert m.sizer.decode.count == 1
+
+
 def test_the_whole_team_stays_when_it_is_faster_or_as_fast() -> None:
     for small_cost in (0.020, 0.0101):  # slower; 1% faster is within the margin
         m = Machine(lambda size, rows, c=small_cost: c if size == 1 else 0.010)
@@ -74,7 +86,7 @@ def test_prompt_steps_are_measured_apart_from_decode_steps() -> None:
             prompt_sizes.append(m.step(rows=16, tokens=2048))
         else:
             decode_sizes.append(m.step())
-    assert prompt_sizes[:4] == [1, 2, 2, 1]  # windows of one step
+    assert prompt_sizes[:2] == [1, 2]  # windows of one step; half the rate: the probe ends
     assert m.sizer.prompt.count == 1 and m.sizer.prompt.chosen == 2
     assert set(prompt_sizes[4:]) == {2}
     assert m.sizer.decode.chosen == 1
