@@ -8,21 +8,20 @@ process gets none of the waiting threads' time. Where the edge's work per token 
 the model's (a small model streamed to many clients), a team one thread smaller leaves the
 edge a core and the steps run uninterrupted; where the model dominates (a larger model, long
 prompts, no one streaming), the whole team is faster. Which one wins depends on the model, the
-load and the machine, so the worker measures it as it serves, apart for decode steps and for
-steps that carry prompt tokens: the two differ in how well the team computes them apart (a
-prompt step is mostly large matrix products) and in when the edge is busy beside them (a
-burst of new requests comes with its prompt steps).
+load and the machine, so the worker measures it as it serves. It measures decode steps: a
+step that carries prompt tokens is mostly large matrix products, which the whole team computes
+well apart (one such step on the smaller team took 1.6-2.8 times as long in every measurement,
+edge busy or not), and it is long, so that probing it would hold up every request waiting for
+its first token; those steps run on the whole team.
 
-    probe:   pairs of windows, one window per team size, the order alternating (A B, B A,
-             ...): PAIRS pairs of WINDOW decode steps, or PROMPT_PAIRS pairs of PROMPT_WINDOW
-             prompt steps (long, so the probe stays short); a window's rate is its work (rows
-             of a decode step, tokens of a prompt step) over its time
+    probe:   PAIRS pairs of windows of WINDOW decode steps, one window per team size, the
+             order alternating (A B, B A, ...); a window's rate is its rows over its time
     decide:  the smaller team if the median of the pairs' log rate ratios favours it by more
-             than MARGIN, the whole team otherwise; a pair whose windows' work differs by more
+             than MARGIN, the whole team otherwise; a pair whose windows' rows differ by more
              than COMPARABLE times is left out, and with fewer than MIN_PAIRS left the choice
              stands; once the pairs show the smaller team clearly slower (CLEAR_LOSS), the
              probe ends there
-    serve:   that size for the kind's steps for EXPLOIT_FACTOR times the probe's time (at
+    serve:   that size for decode steps for EXPLOIT_FACTOR times the probe's time (at
              least EXPLOIT_S), then probe again; the first probe comes after EXPLOIT_S on
              the whole team
 
@@ -53,19 +52,15 @@ MARGIN = 0.03
 # The probe ends once every pair so far shows the smaller team slower than this: one pair at
 # less than 0.7 times the whole team's rate, two or more at less than 0.85.
 CLEAR_LOSS = (math.log(0.7), math.log(0.85))
-PROMPT_WINDOW = 1
-PROMPT_PAIRS = 4
 EXPLOIT_FACTOR = 20
 EXPLOIT_S = 1.0
 
 
 class _Probe:
-    """The measured choice for one kind of step: `window` steps a window, `pairs` pairs."""
+    """The measured choice for decode steps."""
 
-    def __init__(self, kind: str, small: int, whole: int, window: int, pairs: int) -> None:
-        self.kind = kind
+    def __init__(self, small: int, whole: int) -> None:
         self.small, self.whole = small, whole
-        self.window, self.pairs = window, pairs
         self.chosen = whole
         self.schedule: list[tuple[int, int]] = []  # (team size, window) of the probe's steps
         self.windows: list[list[float]] = []  # [work, seconds, steps] per window
@@ -89,7 +84,7 @@ class _Probe:
         counts[0] += work
         counts[1] += seconds
         counts[2] += 1
-        if window % 2 == 0 or counts[2] < self.window:
+        if window % 2 == 0 or counts[2] < WINDOW:
             return
         # A pair is complete: the probe ends after its last pair, or sooner once the smaller
         # team has clearly lost every pair so far (on a model the whole team computes far
@@ -114,10 +109,10 @@ class _Probe:
         return ratios
 
     def _start(self) -> None:
-        for pair in range(self.pairs):
+        for pair in range(PAIRS):
             order = (self.small, self.whole) if pair % 2 == 0 else (self.whole, self.small)
             for size in order:
-                self.schedule += [(size, len(self.windows))] * self.window
+                self.schedule += [(size, len(self.windows))] * WINDOW
                 self.windows.append([0.0, 0.0, 0])
         self.count += 1
 
@@ -128,12 +123,11 @@ class _Probe:
         self.windows = []
         previous = self.chosen
         gain = statistics.median(ratios) if ratios else 0.0
-        if lost or len(ratios) >= min(MIN_PAIRS, self.pairs):
+        if lost or len(ratios) >= MIN_PAIRS:
             self.chosen = self.small if gain > MARGIN else self.whole
         self.serve_until = now + max(EXPLOIT_S, EXPLOIT_FACTOR * probe_s)
         log.debug(
             "threads_probed",
-            kind=self.kind,
             threads=self.chosen,
             measured_gain=round(math.expm1(gain), 3),
             pairs=[round(r, 3) for r in ratios],
@@ -142,7 +136,6 @@ class _Probe:
         if self.chosen != previous:
             log.info(
                 "threads_resized",
-                kind=self.kind,
                 threads=self.chosen,
                 of=self.whole,
                 measured_gain=round(math.expm1(gain), 3),
@@ -150,7 +143,7 @@ class _Probe:
 
 
 class TeamSizer:
-    """Picks the team size of each step (`begin`) from the steps it has timed (`end`);
+    """Picks the team size of each step (`begin`) from the decode steps it has timed (`end`);
     on the model thread only. `sizes` is (smaller, whole); `set_threads` applies a size
     (torch's `set_num_threads`, which oneDNN, torch's kernels and ours follow)."""
 
@@ -163,24 +156,24 @@ class TeamSizer:
         self.small, self.whole = sizes
         self._set_threads = set_threads
         self._clock = clock
-        self.decode = _Probe("decode", self.small, self.whole, WINDOW, PAIRS)
-        self.prompt = _Probe("prompt", self.small, self.whole, PROMPT_WINDOW, PROMPT_PAIRS)
+        self.decode = _Probe(self.small, self.whole)
         self._applied = self.whole
-        # The step begun last: its probe, start, window, work; then, once ended, its end.
-        self._open: tuple[_Probe, float, int, int] | None = None
-        self._last: tuple[_Probe, float, int, int, float] | None = None
+        # The step begun last: its start, window (-1: none) and rows; then, once ended, its end.
+        self._open: tuple[float, int, int] | None = None
+        self._last: tuple[float, int, int, float] | None = None
 
     def begin(self, rows: int, tokens: int) -> int:
         """Before a step of `rows` requests and `tokens` tokens: sets and returns its team size;
         books the previous step, now that its time is known."""
         now = self._clock()
         self._book(now)
-        probe, work = (self.decode, rows) if tokens <= rows else (self.prompt, tokens)
-        size, window = probe.next_size(now)
+        size, window = self.whole, -1
+        if tokens <= rows:  # a decode step; one with prompt tokens runs on the whole team
+            size, window = self.decode.next_size(now)
         if size != self._applied:
             self._set_threads(size)
             self._applied = size
-        self._open = (probe, now, window, work)
+        self._open = (now, window, rows)
         return size
 
     def end(self) -> None:
@@ -194,8 +187,8 @@ class TeamSizer:
         length counting as that length."""
         if self._last is None:
             return
-        probe, start, window, work, end = self._last
+        start, window, rows, end = self._last
         self._last = None
         if window >= 0:
             busy = end - start
-            probe.book(window, work, busy + min(now - end, busy), now)
+            self.decode.book(window, rows, busy + min(now - end, busy), now)
