@@ -43,6 +43,25 @@ end
 return result
 """
 
+# KEYS = the removed blocks' keys, then the stored blocks'; ARGV = worker_id, epoch, TTL
+# seconds, the number of removed keys. One call per batch of events: as a pipeline of
+# HDEL / HSET + EXPIRE commands, the client's Python cost 14x as much CPU per event.
+_UPDATE_LUA = """
+local removed = tonumber(ARGV[4])
+for i = 1, #KEYS do
+  if i <= removed then
+    redis.call('HDEL', KEYS[i], ARGV[1])
+  else
+    redis.call('HSET', KEYS[i], ARGV[1], ARGV[2])
+    redis.call('EXPIRE', KEYS[i], ARGV[3])
+  end
+end
+return #KEYS
+"""
+# Keys per update call: a script holds the server for its whole run, and other replicas'
+# lookups wait behind it.
+UPDATE_BATCH = 2048
+
 
 @dataclass(frozen=True)
 class WorkerRef:
@@ -137,6 +156,7 @@ class RedisPrefixIndex(PrefixIndex):
         self._ns = f"{prefix}:{model}:b:"
         self._ttl_s = ttl_s
         self._lookup = self._redis.register_script(_LOOKUP_LUA)
+        self._update = self._redis.register_script(_UPDATE_LUA)
 
     def _key(self, h: bytes) -> str:
         return self._ns + h.hex()
@@ -165,15 +185,19 @@ class RedisPrefixIndex(PrefixIndex):
     ) -> None:
         if not stored and not removed:
             return
+        # Removals first: a block evicted and cached again in one batch stays recorded.
+        keys = [self._key(h) for h in removed] + [self._key(h) for h in stored]
+        num_removed = len(removed)
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for h in removed:
-                    pipe.hdel(self._key(h), worker.worker_id)
-                for h in stored:
-                    key = self._key(h)
-                    pipe.hset(key, worker.worker_id, str(worker.epoch))
-                    pipe.expire(key, self._ttl_s)
-                await pipe.execute()
+            for start in range(0, len(keys), UPDATE_BATCH):
+                batch_removed = min(max(num_removed - start, 0), UPDATE_BATCH)
+                args: list[str | int] = [
+                    worker.worker_id,
+                    str(worker.epoch),
+                    self._ttl_s,
+                    batch_removed,
+                ]
+                await self._update(keys=keys[start : start + UPDATE_BATCH], args=args)
         except (TimeoutError, RedisError, OSError) as exc:
             raise PrefixIndexUnavailable(str(exc)) from exc
 
@@ -188,11 +212,12 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def reconnect(self) -> None:
         """Drops every pooled connection (each one died with the server: on first use it would
-        fail and retry with a backoff, past a lookup's deadline) and loads the lookup script
+        fail and retry with a backoff, past a lookup's deadline) and loads the scripts
         into the restarted server, so the first lookups after an outage are not slow ones."""
         try:
             await self._redis.connection_pool.disconnect()
             await self._redis.script_load(_LOOKUP_LUA)
+            await self._redis.script_load(_UPDATE_LUA)
         except (TimeoutError, RedisError, OSError) as exc:
             raise PrefixIndexUnavailable(str(exc)) from exc
 

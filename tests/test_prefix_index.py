@@ -97,3 +97,29 @@ def test_lookups_right_after_an_outage_meet_their_deadline(redis_server: RedisSe
         await index.close()
 
     asyncio.run(go())
+
+
+def test_a_batch_of_events_larger_than_one_update_call(make_index) -> None:  # type: ignore[no-untyped-def]
+    """Removals come before stores (a block evicted and cached again in one batch stays
+    recorded), also when the batch spans several of Redis's update calls, and every stored
+    entry carries the TTL."""
+    from control_plane.prefix_index import UPDATE_BATCH
+
+    async def go() -> None:
+        index = make_index()
+        many = [i.to_bytes(16, "big") for i in range(UPDATE_BATCH + 300)]
+        await index.update(W0, many, ())
+        removed = many[: UPDATE_BATCH + 100]  # past the first call's keys
+        again = many[UPDATE_BATCH - 10 : UPDATE_BATCH + 10]  # evicted and cached again
+        await index.update(W0, again, removed)
+        assert await index.lookup(many[:1], [W0]) == {"w0": 0}
+        assert await index.lookup(again, [W0]) == {"w0": len(again)}
+        assert await index.lookup(many[UPDATE_BATCH + 10 :], [W0]) == {"w0": 0}
+        assert await index.lookup(many[UPDATE_BATCH + 100 :], [W0]) == {"w0": 200}
+        if isinstance(index, RedisPrefixIndex):
+            client = index._redis
+            ttls = {await client.ttl(index._key(h)) for h in again + many[-5:]}
+            assert all(0 < t <= 24 * 3600 for t in ttls), ttls
+        await index.close()
+
+    asyncio.run(go())
