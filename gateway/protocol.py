@@ -8,6 +8,7 @@ span fields or name features the gateway does not offer.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -129,6 +130,12 @@ def _reject_lone_surrogates(value: Any) -> None:
             _reject_lone_surrogates(v)
 
 
+@functools.cache
+def _known_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """The names a request body of `cls` may carry (aliases where set)."""
+    return frozenset(f.alias or name for name, f in cls.model_fields.items())
+
+
 class _Body(BaseModel):
     # Unknown fields are ignored, as vLLM does; the routes log their names.
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -145,7 +152,7 @@ class _Body(BaseModel):
     def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
         model = handler(data)
         if isinstance(data, dict) and isinstance(model, _Body):
-            known = {f.alias or name for name, f in cls.model_fields.items()}
+            known = _known_fields(cls)
             model._ignored = [k for k in data if k not in known]
         return model
 
