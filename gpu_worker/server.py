@@ -390,14 +390,11 @@ def _step(worker: Worker, msg: worker_pb2.StepPlan) -> worker_pb2.StepResult:
     fails its step with INVALID_ARGUMENT, which ends the stream. Under tensor parallelism the
     plan's bytes go to the other ranks first."""
     plan = wire.plan_from_proto(msg)
-    if worker.team is not None:
-        worker.team.begin(len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens)
-        try:
-            return wire.result_to_proto(worker.runner.execute(plan))
-        finally:
-            worker.team.end()
     if worker.followers is None:
-        return wire.result_to_proto(worker.runner.execute(plan))
+        if worker.team is None:
+            return wire.result_to_proto(worker.runner.execute(plan))
+        with worker.team.step(len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens):
+            return wire.result_to_proto(worker.runner.execute(plan))
     worker.followers.send_plan(msg.SerializeToString())
     try:
         return wire.result_to_proto(worker.runner.execute(plan))

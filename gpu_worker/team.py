@@ -36,7 +36,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -161,6 +162,16 @@ class TeamSizer:
         # The step begun last: its start, window (-1: none) and rows; then, once ended, its end.
         self._open: tuple[float, int, int] | None = None
         self._last: tuple[float, int, int, float] | None = None
+
+    @contextmanager
+    def step(self, rows: int, tokens: int) -> Iterator[int]:
+        """Around a step of `rows` requests and `tokens` tokens: sets its team size (yielded)
+        and times it, also when it fails."""
+        size = self.begin(rows, tokens)
+        try:
+            yield size
+        finally:
+            self.end()
 
     def begin(self, rows: int, tokens: int) -> int:
         """Before a step of `rows` requests and `tokens` tokens: sets and returns its team size;

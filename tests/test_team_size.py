@@ -155,3 +155,16 @@ def test_a_probe_ends_early_where_the_smaller_team_clearly_loses() -> None:
     assert m.sizer.decode.chosen == 2
     assert sizes[-1] == 2
     assert m.run(40) == [2] * 40
+
+
+def test_a_step_that_fails_is_timed_all_the_same() -> None:
+    m = Machine(lambda size, rows: 0.010 if size == 1 else 0.013)
+    for _ in range(PROBE_STEPS):
+        try:
+            with m.sizer.step(64, 64) as size:
+                m.now += m.cost(size, 64)
+                raise ValueError("a bad plan")
+        except ValueError:
+            pass
+    m.step()
+    assert m.sizer.decode.chosen == 1
