@@ -8,8 +8,9 @@ scaled_dot_product_attention. Padding exists only inside a group and only up to 
 longest sequence (rounded up to whole blocks; the mask hides the tail).
 
 A prefill with no cached context (the whole prompt in this step) attends only to the step's
-own new K/V, so it runs causal SDPA straight on its slice of q, k, v (`causal_attention`): no
-gather, no padding.
+own new K/V, so it runs causal attention straight on its slice of q, k, v: no gather, no
+padding. On a CPU in float32 or bfloat16 one call of `cpu_prefill` (a C kernel) computes every
+such prompt of the step; elsewhere each runs causal SDPA (`causal_attention`).
 
 On a CPU with a float32 or bfloat16 cache the decode group skips the gather: `cpu_decode` (a
 small C kernel) reads K/V in place through the block tables, one pass over each context. Other
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import cpu_decode
+from gpu_worker.attention import cpu_decode, cpu_prefill
 from gpu_worker.attention.base import AttentionBackend, BatchLayout
 
 
@@ -72,6 +73,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._groups: list[_Group] = []
         self._decodes: _KernelDecodes | None = None
         self._fresh: list[tuple[int, int]] = []  # (first token row, end) of fresh prefills
+        # The same as the prefill kernel's (starts, lens); None when it is not used.
+        self._fresh_segments: tuple[torch.Tensor, torch.Tensor] | None = None
         self._slots = torch.empty(0, dtype=torch.long)
         kv = self.cache.kv
         self.use_decode_kernel = (
@@ -79,6 +82,7 @@ class TorchAttentionBackend(AttentionBackend):
             and cpu_decode.supports(self.head_dim, kv.dtype)
             and cpu_decode.load() is not None
         )
+        self.use_prefill_kernel = kv.device.type == "cpu" and cpu_prefill.load() is not None
 
     def begin_step(self, layout: BatchLayout) -> None:
         self._slots = layout.slot_mapping
@@ -89,6 +93,12 @@ class TorchAttentionBackend(AttentionBackend):
         prefill = [s for s in prefill if layout.seq_lens_host[s] != q_lens[s]]
         starts = layout.query_start_loc.tolist() if fresh else []
         self._fresh = [(starts[s], starts[s] + q_lens[s]) for s in fresh]
+        self._fresh_segments = None
+        if fresh and self.use_prefill_kernel:
+            self._fresh_segments = (
+                torch.tensor([starts[s] for s in fresh], dtype=torch.int32),
+                torch.tensor([q_lens[s] for s in fresh], dtype=torch.int32),
+            )
         self._decodes = None
         if decode and self.use_decode_kernel:
             self._decodes = self._kernel_decodes(layout, decode)
@@ -168,8 +178,14 @@ class TorchAttentionBackend(AttentionBackend):
             )
             if not same:
                 out[d.rows] = kernel_out[d.rows].to(q.dtype)
-        for start, end in self._fresh:
-            out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end], self.scale)
+        segments = self._fresh_segments
+        if segments is not None and cpu_prefill.supports(head_dim, q.dtype):
+            cpu_prefill.prefill_attention(out, q, k, v, *segments, self.scale)
+        else:
+            for start, end in self._fresh:
+                out[start:end] = causal_attention(
+                    q[start:end], k[start:end], v[start:end], self.scale
+                )
         for g in self._groups:
             num_seqs = g.token_index.shape[0]
             qg = q[g.token_index].transpose(1, 2)  # [G, Hq, Qmax, D]

@@ -1,0 +1,106 @@
+"""The CPU kernel for causal attention of fresh prompts (`csrc/prefill_attention_cpu.c`): load
+and call, for float32 or bfloat16 q, k and v (float32 arithmetic in both).
+
+A prompt whose whole context is in the step attends only among its own new rows. Torch's CPU
+SDPA computes that per sequence at a small fraction of the machine's multiply-add rate for
+prompt lengths of a few hundred tokens (bf16 without AMX: 20-45 GFLOP/s at 64-512 tokens on a
+2-core AVX-512 machine); this kernel widens each sequence's K and V to float32 once and
+computes every query head's rows from them, several rows sharing each load, all of the step's
+fresh prompts in one call. `gpu_worker.cpu_kernels` builds it (once per machine and CPU).
+
+`load()` returns None, and the torch backend keeps SDPA, when the kernel is disabled
+(`PAGEDSERVE_CPU_PREFILL_KERNEL=0`) or cannot be built here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from gpu_worker import cpu_kernels
+
+SOURCE = Path(__file__).with_name("csrc") / "prefill_attention_cpu.c"
+TILE = 16  # head sizes must be a multiple of it (TILE in the C source)
+MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in the C source
+ENTRY_POINTS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
+_typed: list[ctypes.CDLL] = []  # libraries whose entry points have their argtypes set
+
+
+def supports(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes this head size and dtype (float32, bfloat16)."""
+    return head_dim % TILE == 0 and TILE <= head_dim <= MAX_HEAD_DIM and dtype in ENTRY_POINTS
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None where it is off or cannot build."""
+    if os.environ.get("PAGEDSERVE_CPU_PREFILL_KERNEL", "1") == "0":
+        return None
+    lib = cpu_kernels.load(SOURCE)
+    if lib is not None and lib not in _typed:
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        for name in ENTRY_POINTS.values():
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [p, i64, p, i64, p, i64, p, p, i32, p, i32, i32, i32, f32, i32]
+        _typed.append(lib)
+    return lib
+
+
+def _token_rows(t: torch.Tensor) -> int:
+    """The token stride of a [T, heads, D] tensor whose heads are contiguous in each token."""
+    assert t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2], "heads not packed"
+    return t.stride(0)
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """Writes, for each segment s, rows starts[s] .. starts[s] + lens[s] - 1 of `out`: causal
+    attention of those rows of q over the same rows of k and v.
+
+    out [T, H, D] contiguous; q [T, H, D], k and v [T, KV, D], each token's heads contiguous
+    (any token stride: views of a fused qkv projection do); starts, lens [S] int32 (segments
+    within 0..T, lens >= 1); one dtype, float32 or bfloat16, for all four tensors.
+    """
+    lib = load()
+    assert lib is not None, "the CPU prefill kernel is not available"
+    fn = getattr(lib, ENTRY_POINTS[q.dtype])
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert supports(head_dim, q.dtype) and num_heads % num_kv_heads == 0
+    assert k.shape[1:] == v.shape[1:] == (num_kv_heads, head_dim)
+    for t in (out, k, v):
+        assert t.dtype == q.dtype and t.device.type == "cpu"
+    assert out.is_contiguous() and out.shape == q.shape
+    assert starts.dtype == lens.dtype == torch.int32
+    assert starts.is_contiguous() and lens.is_contiguous() and starts.shape == lens.shape
+    failed = fn(
+        q.data_ptr(),
+        _token_rows(q),
+        k.data_ptr(),
+        _token_rows(k),
+        v.data_ptr(),
+        _token_rows(v),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        starts.shape[0],
+        out.data_ptr(),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        scale,
+        torch.get_num_threads(),
+    )
+    if failed == 1:
+        raise MemoryError("the CPU prefill kernel could not allocate its scratch space")
+    if failed:
+        raise ValueError(f"prefill_attention: bad arguments (code {failed}; see the C source)")

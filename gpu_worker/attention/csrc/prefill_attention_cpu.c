@@ -1,0 +1,237 @@
+/*
+ * Causal attention of fresh prompts on the CPU: each segment (a sequence whose whole context
+ * is this step's tokens) attends among its own rows of the step's q, k and v, row i to keys
+ * 0..i. Two entry points share one body: prefill_attention_f32 and prefill_attention_bf16 (q,
+ * k, v and out all bfloat16). Arithmetic is float32 in both; only the output is rounded.
+ *
+ * Layouts (row-major, "elements" floats or bf16 values):
+ *   q     token rows q_stride elements apart, each token's H heads of D contiguous
+ *   k, v  token rows k_stride / v_stride apart, each token's KV heads of D contiguous
+ *   out   [T, H, D] contiguous
+ *   starts, lens [S] int32: segment s is token rows starts[s] .. starts[s] + lens[s] - 1
+ *   D     a multiple of 16, at most MAX_HEAD_DIM; H a multiple of KV (grouped queries)
+ *
+ * Two phases in one parallel region:
+ *
+ *   1. per (segment, kv head): K widened to float32 and transposed, kt[d][j] (rows padded to
+ *      whole tiles of 16 keys with zeros), V widened, vf[j][d]; both in a buffer shared by the
+ *      threads.
+ *   2. per (segment, query head, tile of QT query rows), the late tiles first (a causal tile's
+ *      work grows with its rows' positions; dynamic scheduling then evens the threads out):
+ *      R query rows at a time, their scores against 16 keys at once (one kt row load feeds R
+ *      multiply-adds with each row's broadcast q element), a softmax over the row's keys, and
+ *      the weighted sum of V rows, R rows sharing each V load.
+ *
+ * Whole key tiles throughout: keys past a row's position score -inf, weigh exp(-87) at most
+ * and are zeroed before the V pass.
+ */
+#include <stdlib.h>
+
+#include "simd16.h"
+
+#define TILE W16
+#define MAX_HEAD_DIM 256
+#define R 4   /* query rows computed together */
+#define QT 32 /* query rows per work item */
+#define DC 4  /* 16-float vectors of the output accumulated per pass over the keys */
+
+static inline __attribute__((always_inline)) float load_elem(const void *base, int64_t i,
+                                                             const int bf16) {
+    return bf16 ? bf16_widen(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void store_elem(void *base, int64_t i, float x,
+                                                             const int bf16) {
+    if (bf16)
+        ((uint16_t *)base)[i] = bf16_narrow(x);
+    else
+        ((float *)base)[i] = x;
+}
+
+/* Rows i0 .. i0+nr-1 (nr <= R) of one query head of one segment. q: the head's first element
+ * of segment row 0; kt [D][ld], vf [ld][D] of its kv head; scores: R rows of ld floats. */
+static inline __attribute__((always_inline)) void rows_block(
+    const void *q, int64_t q_stride, const float *kt, const float *vf, int ld, int i0, int nr,
+    void *out, int64_t out_stride, float *scores, const int D, float scale, const int bf16) {
+    float qb[R][MAX_HEAD_DIM];
+    for (int r = 0; r < R; r++)
+        for (int d = 0; d < D; d++)
+            qb[r][d] = r < nr ? load_elem(q, (int64_t)(i0 + r) * q_stride + d, bf16) * scale : 0.f;
+    const int last = i0 + nr - 1; /* the block's last row sees keys 0..last */
+    const int keys = (last + TILE) / TILE * TILE;
+
+    for (int j0 = 0; j0 < keys; j0 += TILE) {
+        v16 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = splat16(0.f);
+        for (int d = 0; d < D; d++) {
+            const v16 kv = load16(kt + (int64_t)d * ld + j0);
+            for (int r = 0; r < R; r++) acc[r] += splat16(qb[r][d]) * kv;
+        }
+        for (int r = 0; r < R; r++) store16(scores + (int64_t)r * ld + j0, acc[r]);
+    }
+
+    float inv[R];
+    for (int r = 0; r < nr; r++) {
+        float *s = scores + (int64_t)r * ld;
+        const int seen = i0 + r + 1; /* keys 0 .. i0+r */
+        for (int j = seen; j < keys; j++) s[j] = -INFINITY;
+        v16 mv = splat16(-INFINITY);
+        for (int j = 0; j < keys; j += TILE) {
+            const v16 x = load16(s + j);
+            mv = select16(lt16(mv, x), x, mv);
+        }
+        float m = mv[0];
+        for (int l = 1; l < TILE; l++) m = mv[l] > m ? mv[l] : m;
+        v16 sv = splat16(0.f);
+        for (int j = 0; j < keys; j += TILE) {
+            const v16 e = exp_nonpositive16(load16(s + j) - splat16(m));
+            store16(s + j, e);
+            sv += e;
+        }
+        float sum = 0.f;
+        for (int l = 0; l < TILE; l++) sum += sv[l];
+        for (int j = seen; j < keys; j++) sum -= s[j], s[j] = 0.f;
+        inv[r] = 1.f / sum;
+    }
+    for (int r = nr; r < R; r++) { /* rows past the segment: zero weights, never stored */
+        memset(scores + (int64_t)r * ld, 0, sizeof(float) * (size_t)keys);
+        inv[r] = 0.f;
+    }
+
+    const int C = D / TILE;
+    for (int c0 = 0; c0 < C; c0 += DC) {
+        const int nc = C - c0 < DC ? C - c0 : DC;
+        v16 o[R][DC];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < DC; c++) o[r][c] = splat16(0.f);
+        for (int j = 0; j <= last; j++) {
+            const float *vj = vf + (int64_t)j * D + c0 * TILE;
+            for (int c = 0; c < DC; c++) {
+                if (c >= nc) break;
+                const v16 x = load16(vj + c * TILE);
+                for (int r = 0; r < R; r++) o[r][c] += splat16(scores[(int64_t)r * ld + j]) * x;
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int c = 0; c < nc; c++) {
+                const v16 y = o[r][c] * splat16(inv[r]);
+                const int64_t at = (int64_t)(i0 + r) * out_stride + (c0 + c) * TILE;
+                if (bf16)
+                    store_bf16x16((uint16_t *)out + at, y);
+                else
+                    store16((float *)out + at, y);
+            }
+    }
+}
+
+/* Return codes: 0 ok, 1 out of memory, 2 bad head counts or head size, 3 a bad segment. */
+static inline __attribute__((always_inline)) int prefill_attention(
+    const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+    int64_t v_stride, const int32_t *starts, const int32_t *lens, int num_segs, void *out,
+    int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads, const int bf16) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim % TILE != 0 ||
+        head_dim < TILE || head_dim > MAX_HEAD_DIM)
+        return 2;
+    const int rep = num_heads / num_kv_heads, D = head_dim, esize = bf16 ? 2 : 4;
+    /* Where each segment's widened K/V start in the shared buffer, and the work items. */
+    int64_t *base = (int64_t *)malloc(sizeof(int64_t) * ((size_t)num_segs + 1));
+    int *first_item = (int *)malloc(sizeof(int) * ((size_t)num_segs + 1));
+    if (base == NULL || first_item == NULL) {
+        free(base);
+        free(first_item);
+        return 1;
+    }
+    base[0] = 0;
+    first_item[0] = 0;
+    int max_ld = TILE;
+    for (int s = 0; s < num_segs; s++) {
+        if (lens[s] < 1 || starts[s] < 0) {
+            free(base);
+            free(first_item);
+            return 3;
+        }
+        const int ld = (lens[s] + TILE - 1) / TILE * TILE;
+        max_ld = ld > max_ld ? ld : max_ld;
+        base[s + 1] = base[s] + (int64_t)num_kv_heads * 2 * D * ld;
+        first_item[s + 1] = first_item[s] + num_heads * ((lens[s] + QT - 1) / QT);
+    }
+    float *kv = (float *)aligned_alloc(64, sizeof(float) * (size_t)base[num_segs]);
+    if (kv == NULL) {
+        free(base);
+        free(first_item);
+        return 1;
+    }
+    int failed = 0;
+    const int items = first_item[num_segs], prep = num_segs * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* A multiple of 16 floats (64 bytes), as aligned_alloc wants. */
+        float *scores = (float *)aligned_alloc(64, sizeof(float) * R * (size_t)max_ld);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < prep; it++) {
+            const int s = it / num_kv_heads, g = it % num_kv_heads, L = lens[s];
+            const int ld = (L + TILE - 1) / TILE * TILE;
+            float *kt = kv + base[s] + (int64_t)g * 2 * D * ld, *vf = kt + (int64_t)D * ld;
+            const int64_t r0 = starts[s], off = (int64_t)g * D;
+            for (int j = 0; j < ld; j++)
+                for (int d = 0; d < D; d++) {
+                    const int in = j < L;
+                    kt[(int64_t)d * ld + j] =
+                        in ? load_elem(k, (r0 + j) * k_stride + off + d, bf16) : 0.f;
+                    vf[(int64_t)j * D + d] =
+                        in ? load_elem(v, (r0 + j) * v_stride + off + d, bf16) : 0.f;
+                }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int it = items - 1; it >= 0; it--) {
+            if (scores == NULL) continue;
+            int s = 0;
+            while (first_item[s + 1] <= it) s++;
+            const int local = it - first_item[s], tiles = (lens[s] + QT - 1) / QT;
+            const int h = local / tiles, tile = local % tiles, g = h / rep, L = lens[s];
+            const int ld = (L + TILE - 1) / TILE * TILE;
+            const float *kt = kv + base[s] + (int64_t)g * 2 * D * ld, *vf = kt + (int64_t)D * ld;
+            const char *qh = (const char *)q + ((int64_t)starts[s] * q_stride + h * D) * esize;
+            char *oh = (char *)out + ((int64_t)starts[s] * num_heads * D + h * D) * esize;
+            const int end = (tile + 1) * QT < L ? (tile + 1) * QT : L;
+            for (int i0 = tile * QT; i0 < end; i0 += R) {
+                const int nr = end - i0 < R ? end - i0 : R;
+#define BLOCK(DIM)                                                                            \
+    rows_block(qh, q_stride, kt, vf, ld, i0, nr, oh, (int64_t)num_heads * D, scores, DIM, scale, \
+               bf16)
+                switch (D) {
+                case 64: BLOCK(64); break;
+                case 128: BLOCK(128); break;
+                default: BLOCK(D); break;
+                }
+#undef BLOCK
+            }
+        }
+        free(scores);
+    }
+    free(kv);
+    free(base);
+    free(first_item);
+    return failed;
+}
+
+int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                          const float *v, int64_t v_stride, const int32_t *starts,
+                          const int32_t *lens, int num_segs, float *out, int num_heads,
+                          int num_kv_heads, int head_dim, float scale, int num_threads) {
+    return prefill_attention(q, q_stride, k, k_stride, v, v_stride, starts, lens, num_segs, out,
+                             num_heads, num_kv_heads, head_dim, scale, num_threads, 0);
+}
+
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                           int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                           const int32_t *starts, const int32_t *lens, int num_segs,
+                           uint16_t *out, int num_heads, int num_kv_heads, int head_dim,
+                           float scale, int num_threads) {
+    return prefill_attention(q, q_stride, k, k_stride, v, v_stride, starts, lens, num_segs, out,
+                             num_heads, num_kv_heads, head_dim, scale, num_threads, 1);
+}

@@ -1,0 +1,130 @@
+"""The CPU kernel for fresh prompts' causal attention (gpu_worker/attention/csrc/
+prefill_attention_cpu.c) against a float64 reference, and the torch backend with it against
+its SDPA path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker import cpu_kernels
+from gpu_worker.attention import cpu_prefill
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.kv_cache import CacheGeometry, KVCache
+from tests.test_cpu_fast_paths import _layout
+
+needs_kernel = pytest.mark.skipif(cpu_prefill.load() is None, reason="no C compiler here")
+
+# Segment lengths around the kernel's row blocks (4), key tiles (16) and work items (32).
+LENS = [1, 2, 5, 16, 17, 33, 40, 100]
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one segment in float64, written out: [T, H, D]."""
+    rep = q.shape[1] // k.shape[1]
+    qd, kd, vd = (t.double().transpose(0, 1) for t in (q, k, v))  # [heads, T, D]
+    kd, vd = kd.repeat_interleave(rep, 0), vd.repeat_interleave(rep, 0)
+    scores = qd @ kd.transpose(1, 2) * scale
+    t = q.shape[0]
+    scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ vd).transpose(0, 1)
+
+
+SHAPES = [(8, 4, 32), (12, 4, 64), (4, 4, 128), (6, 2, 48), (3, 1, 16), (9, 3, 80)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+def test_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Segments of every length among rows the kernel must leave alone, q/k/v as views of one
+    fused projection (token stride past each tensor's heads)."""
+    torch.manual_seed(head_dim + num_heads)
+    starts, at = [], 3
+    for n in LENS:
+        starts.append(at)
+        at += n + 2  # two rows of other work between segments
+    total = at
+    qkv = torch.randn(total, num_heads + 2 * num_kv_heads, head_dim).to(dtype)
+    q = qkv[:, :num_heads]
+    k = qkv[:, num_heads : num_heads + num_kv_heads]
+    v = qkv[:, num_heads + num_kv_heads :]
+    out = torch.full((total, num_heads, head_dim), 7.0, dtype=dtype)
+    scale = head_dim**-0.5
+    cpu_prefill.prefill_attention(
+        out,
+        q,
+        k,
+        v,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(LENS, dtype=torch.int32),
+        scale,
+    )
+    written = torch.zeros(total, dtype=torch.bool)
+    # bf16: the inputs are exact in the float64 reference; only the output's rounding differs.
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    for s, n in zip(starts, LENS, strict=True):
+        rows = slice(s, s + n)
+        want = _reference(q[rows], k[rows], v[rows], scale)
+        torch.testing.assert_close(out[rows].double(), want, rtol=tol, atol=1e-5)
+        written[rows] = True
+    assert bool((out[~written] == 7.0).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
+    """Steps mixing fresh prompts with chunks after context and decodes, through both paths."""
+    bs, heads = 16, 8
+    geometry = CacheGeometry(2, 4, 32, bs, dtype)
+    steps = [
+        [([3, 9, 4], 0, 40), ([7], 0, 5), ([10], 0, 2)],
+        [([3, 9, 4], 40, 1), ([7, 1], 5, 20), ([2, 5], 0, 17), ([6, 8], 0, 23)],
+    ]
+    outs = {}
+    for use_kernel in (True, False):
+        torch.manual_seed(0)
+        cache = KVCache(geometry, 12, 0, "cpu")
+        backend = TorchAttentionBackend(cache, heads, 32)
+        assert backend.use_prefill_kernel
+        backend.use_prefill_kernel = use_kernel
+        got = []
+        for seqs in steps:
+            backend.begin_step(_layout(seqs, bs))
+            assert (backend._fresh_segments is not None) == use_kernel
+            t = sum(n for *_, n in seqs)
+            for layer in range(2):
+                q, k, v = (torch.randn(t, n, 32).to(dtype) for n in (heads, 4, 4))
+                got.append(backend.forward(layer, q, k, v))
+        outs[use_kernel] = got
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: SDPA rounds its own steps
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@needs_kernel
+def test_a_bad_segment_is_refused() -> None:
+    x = torch.zeros(4, 2, 32)
+    with pytest.raises(ValueError, match="code 3"):
+        cpu_prefill.prefill_attention(
+            torch.zeros_like(x),
+            x,
+            x,
+            x,
+            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([0], dtype=torch.int32),
+            1.0,
+        )
+
+
+def test_float64_keeps_sdpa() -> None:
+    assert not cpu_prefill.supports(64, torch.float64)
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_KERNEL", "0")
+    assert cpu_prefill.load() is None
