@@ -23,12 +23,14 @@ its first token; those steps run on the whole team.
              probe ends there
     serve:   that size for decode steps for EXPLOIT_FACTOR times the probe's time (at
              least EXPLOIT_S), then probe again; the first probe comes after EXPLOIT_S on
-             the whole team
+             the whole team. Each probe in a row that ends in a clear loss doubles the
+             serving time, up to MAX_BACKOFF times: on a compute-bound model every probe
+             finds the same, and each costs its steps on the smaller team
 
 A step's time runs from its start to the next step's start: the wait for the next plan counts,
 since a control plane short of CPU sends it late, but a gap longer than the step itself is the
 load's, not the team's, and counts as the step's own length. Probing costs little: about 5% of
-the time, half of it on the losing size.
+the time, half of it on the losing size, and less where the smaller team keeps losing clearly.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ MARGIN = 0.03
 CLEAR_LOSS = (math.log(0.7), math.log(0.85))
 EXPLOIT_FACTOR = 20
 EXPLOIT_S = 1.0
+MAX_BACKOFF = 8
 
 
 class _Probe:
@@ -67,6 +70,7 @@ class _Probe:
         self.windows: list[list[float]] = []  # [work, seconds, steps] per window
         self.serve_until: float | None = None  # probe once the clock passes it
         self.count = 0
+        self.backoff = 1  # the serving time's multiple: doubled by each clear loss in a row
 
     def next_size(self, now: float) -> tuple[int, int]:
         """The next step's team size and window (-1: not probing)."""
@@ -126,13 +130,15 @@ class _Probe:
         gain = statistics.median(ratios) if ratios else 0.0
         if lost or len(ratios) >= MIN_PAIRS:
             self.chosen = self.small if gain > MARGIN else self.whole
-        self.serve_until = now + max(EXPLOIT_S, EXPLOIT_FACTOR * probe_s)
+        self.backoff = min(2 * self.backoff, MAX_BACKOFF) if lost else 1
+        self.serve_until = now + max(EXPLOIT_S, EXPLOIT_FACTOR * self.backoff * probe_s)
         log.debug(
             "threads_probed",
             threads=self.chosen,
             measured_gain=round(math.expm1(gain), 3),
             pairs=[round(r, 3) for r in ratios],
             probe_s=round(probe_s, 3),
+            serve_s=round(self.serve_until - now, 3),
         )
         if self.chosen != previous:
             log.info(

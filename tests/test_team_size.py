@@ -157,6 +157,26 @@ def test_a_probe_ends_early_where_the_smaller_team_clearly_loses() -> None:
     assert m.run(40) == [2] * 40
 
 
+def test_clear_losses_in_a_row_probe_less_often_until_one_does_not() -> None:
+    costs = {1: 0.100, 2: 0.060}
+    m = Machine(lambda size, rows: costs[size])
+    probe = m.sizer.decode
+    pair_s = team.WINDOW * (costs[1] + costs[2])  # a probe that stops after its first pair
+    serve = []
+    for _ in range(5):
+        count = probe.count
+        while probe.count == count or probe.windows:  # until the next probe has decided
+            m.step()
+        serve.append(round((probe.serve_until - m.now) / pair_s))
+    f = team.EXPLOIT_FACTOR
+    assert serve == [min(2**i, team.MAX_BACKOFF) * f for i in range(1, 6)]
+    assert serve == [2 * f, 4 * f, 8 * f, 8 * f, 8 * f]
+    costs[1] = 0.050  # now the smaller team wins: back to the first pace
+    m.now = probe.serve_until
+    m.run(PROBE_STEPS + 1)
+    assert probe.backoff == 1 and probe.chosen == 1
+
+
 def test_a_step_that_fails_is_timed_all_the_same() -> None:
     m = Machine(lambda size, rows: 0.010 if size == 1 else 0.013)
     for _ in range(PROBE_STEPS):
