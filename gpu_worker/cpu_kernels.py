@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from gpu_worker import cpu_isa
 from pagedserve.log import get_logger
@@ -31,6 +32,7 @@ INCLUDE_DIR = Path(__file__).with_name("csrc")
 
 _lock = threading.Lock()
 _loaded: dict[Path, ctypes.CDLL | None] = {}
+_typed: set[tuple[int, str]] = set()  # (library id, entry point) whose types are set
 
 
 def _cache_dir() -> Path:
@@ -104,3 +106,22 @@ def load(source: Path) -> ctypes.CDLL | None:
                 log.warning("cpu_kernel_unavailable", source=source.name, reason=detail[-500:])
         _loaded[source] = lib
         return lib
+
+
+def load_entry_points(
+    source: Path, switch: str, argtypes: dict[str, list[Any]]
+) -> ctypes.CDLL | None:
+    """`source`'s library with the entry points named in `argtypes` typed (those arguments, an
+    int status returned); None where the environment variable `switch` is "0" or the library
+    cannot build here."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    lib = load(source)
+    if lib is not None:
+        for name, types in argtypes.items():
+            if (id(lib), name) not in _typed:
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = types
+                _typed.add((id(lib), name))
+    return lib

@@ -147,38 +147,55 @@ def _layout(seqs: list[tuple[list[int], int, int]], block_size: int) -> BatchLay
     )
 
 
+Steps = list[list[tuple[list[int], int, int]]]  # per step: (block table, context, new tokens)
+
+
+def backend_outputs(
+    steps: Steps, dtype: torch.dtype, configure: Callable[[TorchAttentionBackend], None]
+) -> list[torch.Tensor]:
+    """Every layer's attention output over `steps` (2 layers, 8 query heads over 4 kv heads of
+    32, blocks of 16, inputs from seed 0) through a torch backend `configure` has set up."""
+    bs, heads = 16, 8
+    torch.manual_seed(0)
+    cache = KVCache(CacheGeometry(2, 4, 32, bs, dtype), 12, 0, "cpu")
+    backend = TorchAttentionBackend(cache, heads, 32)
+    configure(backend)
+    got = []
+    for seqs in steps:
+        backend.begin_step(_layout(seqs, bs))
+        t = sum(n for *_, n in seqs)
+        for layer in range(2):
+            q, k, v = (torch.randn(t, n, 32).to(dtype) for n in (heads, 4, 4))
+            got.append(backend.forward(layer, q, k, v))
+    return got
+
+
+def assert_paths_agree(a: list[torch.Tensor], b: list[torch.Tensor], dtype: torch.dtype) -> None:
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: SDPA rounds its own steps
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype == dtype
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
     """Mixed steps (prefill chunks after context, decodes, all-decode) through both paths."""
-    bs, heads = 16, 8
-    geometry = CacheGeometry(2, 4, 32, bs, dtype)
     steps = [
         [([3, 9, 4], 0, 40), ([7], 0, 5)],
         [([3, 9, 4], 40, 1), ([7, 1], 5, 20), ([2, 5], 0, 17)],
         [([3, 9, 4], 41, 1), ([7, 1], 25, 1), ([2, 5], 17, 1)],
     ]
-    outs = {}
-    for use_kernel in (True, False):
-        torch.manual_seed(0)
-        cache = KVCache(geometry, 12, 0, "cpu")
-        backend = TorchAttentionBackend(cache, heads, 32)
-        assert backend.use_decode_kernel
-        backend.use_decode_kernel = use_kernel
-        got = []
-        for seqs in steps:
-            layout = _layout(seqs, bs)
-            backend.begin_step(layout)
-            assert (backend._decodes is not None) == (use_kernel and any(n == 1 for *_, n in seqs))
-            t = sum(n for *_, n in seqs)
-            for layer in range(2):
-                q, k, v = (torch.randn(t, n, 32).to(dtype) for n in (heads, 4, 4))
-                got.append(backend.forward(layer, q, k, v))
-        outs[use_kernel] = got
-    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: SDPA rounds its own steps
-    for a, b in zip(outs[True], outs[False], strict=True):
-        assert a.dtype == dtype
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+    def decode_kernel(on: bool) -> Callable[[TorchAttentionBackend], None]:
+        def configure(backend: TorchAttentionBackend) -> None:
+            assert backend.use_decode_kernel
+            backend.use_decode_kernel = on
+
+        return configure
+
+    with_kernel = backend_outputs(steps, dtype, decode_kernel(True))
+    assert_paths_agree(with_kernel, backend_outputs(steps, dtype, decode_kernel(False)), dtype)
 
 
 @needs_kernel

@@ -4,14 +4,15 @@ its SDPA path."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from gpu_worker import cpu_kernels
-from gpu_worker.attention import cpu_prefill
+from gpu_worker.attention import BatchLayout, cpu_prefill
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
-from gpu_worker.kv_cache import CacheGeometry, KVCache
-from tests.test_cpu_fast_paths import _layout
+from tests.test_cpu_fast_paths import assert_paths_agree, backend_outputs
 
 needs_kernel = pytest.mark.skipif(cpu_prefill.load() is None, reason="no C compiler here")
 
@@ -77,32 +78,27 @@ def test_matches_reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
     """Steps mixing fresh prompts with chunks after context and decodes, through both paths."""
-    bs, heads = 16, 8
-    geometry = CacheGeometry(2, 4, 32, bs, dtype)
     steps = [
         [([3, 9, 4], 0, 40), ([7], 0, 5), ([10], 0, 2)],
         [([3, 9, 4], 40, 1), ([7, 1], 5, 20), ([2, 5], 0, 17), ([6, 8], 0, 23)],
     ]
-    outs = {}
-    for use_kernel in (True, False):
-        torch.manual_seed(0)
-        cache = KVCache(geometry, 12, 0, "cpu")
-        backend = TorchAttentionBackend(cache, heads, 32)
-        assert backend.use_prefill_kernel
-        backend.use_prefill_kernel = use_kernel
-        got = []
-        for seqs in steps:
-            backend.begin_step(_layout(seqs, bs))
-            assert (backend._fresh_segments is not None) == use_kernel
-            t = sum(n for *_, n in seqs)
-            for layer in range(2):
-                q, k, v = (torch.randn(t, n, 32).to(dtype) for n in (heads, 4, 4))
-                got.append(backend.forward(layer, q, k, v))
-        outs[use_kernel] = got
-    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: SDPA rounds its own steps
-    for a, b in zip(outs[True], outs[False], strict=True):
-        assert a.dtype == dtype
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+    def prefill_kernel(on: bool) -> Callable[[TorchAttentionBackend], None]:
+        def configure(backend: TorchAttentionBackend) -> None:
+            assert backend.use_prefill_kernel
+            backend.use_prefill_kernel = on
+            begin = backend.begin_step
+
+            def begin_step(layout: BatchLayout) -> None:
+                begin(layout)
+                assert (backend._fresh_segments is not None) == on
+
+            backend.begin_step = begin_step  # type: ignore[method-assign]
+
+        return configure
+
+    with_kernel = backend_outputs(steps, dtype, prefill_kernel(True))
+    assert_paths_agree(with_kernel, backend_outputs(steps, dtype, prefill_kernel(False)), dtype)
 
 
 @needs_kernel

@@ -13,7 +13,6 @@ through the block table. `gpu_worker.cpu_kernels` builds it (once per machine an
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -25,7 +24,11 @@ TILE = 16  # head sizes must be a multiple of it (TILE in the C source)
 MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in the C source
 # The entry point for each dtype of q, cache and out.
 ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-_typed: list[ctypes.CDLL] = []  # libraries whose entry points have their argtypes set
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+ARGTYPES = {
+    name: [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, *[_I32] * 6, _F32, _I32]
+    for name in ENTRY_POINTS.values()
+}
 
 
 def supports(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
@@ -36,17 +39,7 @@ def supports(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None where it is off or cannot build."""
-    if os.environ.get("PAGEDSERVE_CPU_DECODE_KERNEL", "1") == "0":
-        return None
-    lib = cpu_kernels.load(SOURCE)
-    if lib is not None and lib not in _typed:
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        for name in ENTRY_POINTS.values():
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [p, i64, p, p, p, p, i64, p, p, *[i32] * 6, f32, i32]
-        _typed.append(lib)
-    return lib
+    return cpu_kernels.load_entry_points(SOURCE, "PAGEDSERVE_CPU_DECODE_KERNEL", ARGTYPES)
 
 
 def paged_decode(

@@ -15,38 +15,27 @@ fresh prompts in one call. `gpu_worker.cpu_kernels` builds it (once per machine 
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
 from gpu_worker import cpu_kernels
+from gpu_worker.attention import cpu_decode
 
 SOURCE = Path(__file__).with_name("csrc") / "prefill_attention_cpu.c"
-TILE = 16  # head sizes must be a multiple of it (TILE in the C source)
-MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in the C source
 ENTRY_POINTS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
-_typed: list[ctypes.CDLL] = []  # libraries whose entry points have their argtypes set
-
-
-def supports(head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel takes this head size and dtype (float32, bfloat16)."""
-    return head_dim % TILE == 0 and TILE <= head_dim <= MAX_HEAD_DIM and dtype in ENTRY_POINTS
+ARGTYPES = {
+    name: [*[ctypes.c_void_p, ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p]
+    + [ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 3, ctypes.c_float, ctypes.c_int]
+    for name in ENTRY_POINTS.values()
+}
+# The head sizes and dtypes the decode kernel takes (the same TILE and MAX_HEAD_DIM in C).
+supports = cpu_decode.supports
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None where it is off or cannot build."""
-    if os.environ.get("PAGEDSERVE_CPU_PREFILL_KERNEL", "1") == "0":
-        return None
-    lib = cpu_kernels.load(SOURCE)
-    if lib is not None and lib not in _typed:
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        for name in ENTRY_POINTS.values():
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [p, i64, p, i64, p, i64, p, p, i32, p, i32, i32, i32, f32, i32]
-        _typed.append(lib)
-    return lib
+    return cpu_kernels.load_entry_points(SOURCE, "PAGEDSERVE_CPU_PREFILL_KERNEL", ARGTYPES)
 
 
 def _token_rows(t: torch.Tensor) -> int:

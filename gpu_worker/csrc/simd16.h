@@ -51,6 +51,22 @@ static inline uint16_t bf16_narrow(float x) {
     return (uint16_t)(w >> 16);
 }
 
+/* Element i of `base`: a float, or a bf16 value (`bf16`) widened; callers pass `bf16` as a
+ * constant, so each entry point compiles its own branch-free copy. */
+static inline __attribute__((always_inline)) float load_elem(const void *base, int64_t i,
+                                                             const int bf16) {
+    return bf16 ? bf16_widen(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* Stores x at element index i: as a float, or rounded to the nearest bf16 (ties to even). */
+static inline __attribute__((always_inline)) void store_elem(void *base, int64_t i, float x,
+                                                             const int bf16) {
+    if (bf16)
+        ((uint16_t *)base)[i] = bf16_narrow(x);
+    else
+        ((float *)base)[i] = x;
+}
+
 /* 16 bf16 values at p, widened. */
 static inline v16 load_bf16x16(const uint16_t *p) {
 #if defined(__AVX512F__)
@@ -128,6 +144,32 @@ static inline v16 exp_nonpositive16(v16 x) {
     p = p * r + splat16(1.f);
     const i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
     return p * (v16)e;
+}
+
+/* The softmax weights of scores s[0 .. valid), in place and unnormalised (exp of each less
+ * their max), zeros in s[valid .. padded); returns 1 / their sum. `padded` is a multiple of 16
+ * (whole vectors throughout: the tail scores -inf, weighs exp(-87) at most, and is zeroed). The
+ * loops are written with explicit vectors: left to the compiler, they stayed scalar in some
+ * inlined copies. */
+static inline float softmax_weights16(float *s, int valid, int padded) {
+    for (int j = valid; j < padded; j++) s[j] = -INFINITY;
+    v16 mv = splat16(-INFINITY);
+    for (int j = 0; j < padded; j += W16) {
+        const v16 x = load16(s + j);
+        mv = select16(lt16(mv, x), x, mv);
+    }
+    float m = mv[0];
+    for (int l = 1; l < W16; l++) m = mv[l] > m ? mv[l] : m;
+    v16 sv = splat16(0.f);
+    for (int j = 0; j < padded; j += W16) {
+        const v16 e = exp_nonpositive16(load16(s + j) - splat16(m));
+        store16(s + j, e);
+        sv += e;
+    }
+    float sum = 0.f;
+    for (int l = 0; l < W16; l++) sum += sv[l];
+    for (int j = valid; j < padded; j++) sum -= s[j], s[j] = 0.f;
+    return 1.f / sum;
 }
 
 #endif

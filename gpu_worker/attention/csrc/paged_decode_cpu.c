@@ -49,20 +49,6 @@ static inline __attribute__((always_inline)) v16 load_elems(const void *base, in
     return bf16 ? load_bf16x16((const uint16_t *)base + i) : load16((const float *)base + i);
 }
 
-static inline __attribute__((always_inline)) float load_elem(const void *base, int64_t i,
-                                                             const int bf16) {
-    return bf16 ? bf16_widen(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-/* Stores x at element index i: as a float, or rounded to the nearest bf16 (ties to even). */
-static inline __attribute__((always_inline)) void store_elem(void *base, int64_t i, float x,
-                                                             const int bf16) {
-    if (bf16)
-        ((uint16_t *)base)[i] = bf16_narrow(x);
-    else
-        ((float *)base)[i] = x;
-}
-
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 
 /* Lane t of the result = the sum of the 16 lanes of p[t]. Each level adds the two halves of
@@ -201,33 +187,11 @@ static inline __attribute__((always_inline)) void decode_heads(
         }
     }
 
-    /* Whole tiles throughout (no scalar remainder loops): the tail past len scores -inf,
-     * its weights are then exp(-87) ~ 1.6e-38 at most and are zeroed before the V pass. */
+    /* Whole tiles throughout (no scalar remainder loops): the tail past len weighs zero. */
     const int padded = (len + TILE - 1) / TILE * TILE;
     float inv[nh];
-    for (int i = 0; i < nh; i++) {
-        float *si = scores + (int64_t)i * stride;
-        for (int j = len; j < padded; j++) si[j] = -INFINITY;
-        /* Written with explicit vectors: left to the compiler, these loops stayed scalar in
-         * some of the kernel's inlined copies. */
-        v16 mv = splat16(-INFINITY);
-        for (int j = 0; j < padded; j += TILE) {
-            const v16 x = load16(si + j);
-            mv = select16(lt16(mv, x), x, mv);
-        }
-        float m = mv[0];
-        for (int l = 1; l < TILE; l++) m = mv[l] > m ? mv[l] : m;
-        v16 sv = splat16(0.f);
-        for (int j = 0; j < padded; j += TILE) {
-            const v16 e = exp_nonpositive16(load16(si + j) - splat16(m));
-            store16(si + j, e);
-            sv += e;
-        }
-        float sum = 0.f;
-        for (int l = 0; l < TILE; l++) sum += sv[l];
-        for (int j = len; j < padded; j++) sum -= si[j], si[j] = 0.f;
-        inv[i] = 1.f / sum;
-    }
+    for (int i = 0; i < nh; i++)
+        inv[i] = softmax_weights16(scores + (int64_t)i * stride, len, padded);
     memset(acc, 0, sizeof(float) * (size_t)nh * (size_t)D);
 
     memcpy(tiles[0], first, sizeof first);

@@ -22,8 +22,8 @@
  *      multiply-adds with each row's broadcast q element), a softmax over the row's keys, and
  *      the weighted sum of V rows, R rows sharing each V load.
  *
- * Whole key tiles throughout: keys past a row's position score -inf, weigh exp(-87) at most
- * and are zeroed before the V pass.
+ * Whole key tiles throughout: keys past a row's position get zero weight
+ * (softmax_weights16).
  */
 #include <stdlib.h>
 
@@ -34,19 +34,6 @@
 #define R 4   /* query rows computed together */
 #define QT 32 /* query rows per work item */
 #define DC 4  /* 16-float vectors of the output accumulated per pass over the keys */
-
-static inline __attribute__((always_inline)) float load_elem(const void *base, int64_t i,
-                                                             const int bf16) {
-    return bf16 ? bf16_widen(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline __attribute__((always_inline)) void store_elem(void *base, int64_t i, float x,
-                                                             const int bf16) {
-    if (bf16)
-        ((uint16_t *)base)[i] = bf16_narrow(x);
-    else
-        ((float *)base)[i] = x;
-}
 
 /* Rows i0 .. i0+nr-1 (nr <= R) of one query head of one segment. q: the head's first element
  * of segment row 0; kt [D][ld], vf [ld][D] of its kv head; scores: R rows of ld floats. */
@@ -71,28 +58,8 @@ static inline __attribute__((always_inline)) void rows_block(
     }
 
     float inv[R];
-    for (int r = 0; r < nr; r++) {
-        float *s = scores + (int64_t)r * ld;
-        const int seen = i0 + r + 1; /* keys 0 .. i0+r */
-        for (int j = seen; j < keys; j++) s[j] = -INFINITY;
-        v16 mv = splat16(-INFINITY);
-        for (int j = 0; j < keys; j += TILE) {
-            const v16 x = load16(s + j);
-            mv = select16(lt16(mv, x), x, mv);
-        }
-        float m = mv[0];
-        for (int l = 1; l < TILE; l++) m = mv[l] > m ? mv[l] : m;
-        v16 sv = splat16(0.f);
-        for (int j = 0; j < keys; j += TILE) {
-            const v16 e = exp_nonpositive16(load16(s + j) - splat16(m));
-            store16(s + j, e);
-            sv += e;
-        }
-        float sum = 0.f;
-        for (int l = 0; l < TILE; l++) sum += sv[l];
-        for (int j = seen; j < keys; j++) sum -= s[j], s[j] = 0.f;
-        inv[r] = 1.f / sum;
-    }
+    for (int r = 0; r < nr; r++) /* row i0+r sees keys 0 .. i0+r */
+        inv[r] = softmax_weights16(scores + (int64_t)r * ld, i0 + r + 1, keys);
     for (int r = nr; r < R; r++) { /* rows past the segment: zero weights, never stored */
         memset(scores + (int64_t)r * ld, 0, sizeof(float) * (size_t)keys);
         inv[r] = 0.f;
