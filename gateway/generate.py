@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.choices import Choice, ChoiceEvent
 from gateway.errors import APIError
-from gateway.responses import ChoiceState, Format, usage
+from gateway.responses import ChoiceState, Format, sse, usage
 from pagedserve.log import get_logger
 
 log = get_logger(__name__)
@@ -52,10 +51,6 @@ async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
     work.cancel()
     await asyncio.wait({work})  # lets the cancelled work run its cleanup first
     raise ClientGone
-
-
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def respond(
@@ -106,16 +101,16 @@ async def _sse_body(
     n: int,
     include_usage: bool,
     indices: list[int],
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     try:
         for chunk in fmt.head(indices):
             yield sse(chunk)
         ev: ChoiceEvent | None = first
         while ev is not None:
             states[ev.index].add(ev)
-            data = fmt.chunk(ev)
+            data = fmt.sse_chunk(ev)
             if data is not None:
-                yield sse(data)
+                yield data
             ev = await anext(events, None)
         if include_usage:
             yield sse(fmt.usage_chunk(usage(states, n)))
@@ -129,4 +124,4 @@ async def _sse_body(
     finally:
         with contextlib.suppress(Exception):
             await events.aclose()
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
