@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.choices import Choice, ChoiceEvent
 from gateway.errors import APIError
-from gateway.responses import ChoiceState, Format, sse, usage
+from gateway.responses import ChoiceState, Format, usage
 from pagedserve.log import get_logger
 
 log = get_logger(__name__)
@@ -51,6 +52,10 @@ async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
     work.cancel()
     await asyncio.wait({work})  # lets the cancelled work run its cleanup first
     raise ClientGone
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def respond(
@@ -101,16 +106,16 @@ async def _sse_body(
     n: int,
     include_usage: bool,
     indices: list[int],
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[str]:
     try:
         for chunk in fmt.head(indices):
             yield sse(chunk)
         ev: ChoiceEvent | None = first
         while ev is not None:
             states[ev.index].add(ev)
-            data = fmt.sse_chunk(ev)
+            data = fmt.chunk(ev)
             if data is not None:
-                yield data
+                yield sse(data)
             ev = await anext(events, None)
         if include_usage:
             yield sse(fmt.usage_chunk(usage(states, n)))
@@ -124,4 +129,4 @@ async def _sse_body(
     finally:
         with contextlib.suppress(Exception):
             await events.aclose()
-    yield b"data: [DONE]\n\n"
+    yield "data: [DONE]\n\n"

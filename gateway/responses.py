@@ -6,12 +6,10 @@ the collected `ChoiceState`s into the non-streamed body, so the two paths share 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 from gateway.choices import ChoiceEvent
@@ -25,16 +23,6 @@ NEG_INF_LOGPROB = -9999.0
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else NEG_INF_LOGPROB
-
-
-# A string no id or model name holds: where a chunk template's text goes.
-_TEXT_SLOT = "\x00text\x00"
-
-
-def sse(data: dict[str, Any]) -> bytes:
-    """One server-sent event carrying `data` as compact JSON (non-ASCII kept as UTF-8)."""
-    body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {body}\n\n".encode()
 
 
 def stop_reason(m: pb.GenerateResponse) -> int | str | None:
@@ -175,7 +163,6 @@ class Format:
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
         self._prompt_lps: dict[int, list[common_pb2.TokenLogprobs]] = {}  # by prompt
-        self._templates: dict[int, tuple[str, str]] = {}  # sse_chunk's, by choice index
 
     def prompt_lps(self, index: int, m: pb.GenerateResponse | None = None) -> list[Any]:
         """Choice index's prompt logprobs: those m carries (kept for its siblings), or those a
@@ -188,41 +175,6 @@ class Format:
         for i, s in sorted(states.items()):
             if s.prompt_logprobs:
                 self._prompt_lps[i // self.n] = s.prompt_logprobs
-
-    def sse_chunk(self, ev: ChoiceEvent) -> bytes | None:
-        """The stream event of `ev` (None: nothing to send), exactly `sse(self.chunk(ev))`.
-
-        Most of a stream is text and nothing else: such a chunk is the choice's template with
-        the text, JSON-encoded, in its slot, rather than a dict built and serialised whole.
-        """
-        m = ev.message
-        if m.text and self._plain(ev):
-            template = self._templates.get(ev.index)
-            if template is None:
-                template = self._templates[ev.index] = self._template(ev.index)
-            return (template[0] + encode_basestring(m.text) + template[1]).encode()
-        data = self.chunk(ev)
-        return None if data is None else sse(data)
-
-    def _plain(self, ev: ChoiceEvent) -> bool:
-        """Whether `ev`'s chunk holds nothing but its text: no finish, stop, logprobs or prompt
-        logprobs, and nothing this format adds (echo, tool calls)."""
-        m = ev.message
-        return not (
-            m.finish_reason
-            or m.stop_reason
-            or m.HasField("stop_token_id")
-            or m.prompt_logprobs
-            or self.logprobs is not None
-        )
-
-    def _template(self, index: int) -> tuple[str, str]:
-        """The event of a plain text chunk of choice `index`, split where its text goes."""
-        data = self.chunk(ChoiceEvent(index, pb.GenerateResponse(text=_TEXT_SLOT)))
-        assert data is not None
-        before, slot, after = sse(data).decode().partition(encode_basestring(_TEXT_SLOT))
-        assert slot and _TEXT_SLOT not in after, "the text slot must appear exactly once"
-        return before, after
 
     def worth_sending(self, m: pb.GenerateResponse) -> bool:
         """A stream chunk goes out only with something in it: text, the finish, or logprobs the
@@ -270,9 +222,6 @@ class CompletionFormat(Format):
         super().__init__(response_id, model, logprobs, n, prompt_logprobs)
         self.echo = echo or {}
         self._echo_pending = dict(self.echo)  # streamed with each choice's first chunk
-
-    def _plain(self, ev: ChoiceEvent) -> bool:
-        return ev.index not in self._echo_pending and super()._plain(ev)
 
     def _logprobs(self, index: int, generated: list[Any], first: bool) -> dict[str, Any]:
         """The choice's logprobs from its offset on; echoed, its first part starts with the
@@ -361,9 +310,6 @@ class ChatFormat(Format):
             )
             for i in indices
         ]
-
-    def _plain(self, ev: ChoiceEvent) -> bool:
-        return self.tool_parser is None and super()._plain(ev)
 
     @staticmethod
     def _finish_reason(finish_reason: str | None, parser: ToolCallParser | None) -> str | None:
