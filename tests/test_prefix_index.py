@@ -79,6 +79,7 @@ def test_redis_outage_raises_unavailable_then_recovers(redis_server: RedisServer
     asyncio.run(go())
 
 
+@pytest.mark.serial  # a wall-clock bound: each lookup within the index's 50 ms
 def test_lookups_right_after_an_outage_meet_their_deadline(redis_server: RedisServer) -> None:
     """Every pooled connection died with the server: reconnect() drops them all, so no lookup
     after the outage spends its 50 ms on a dead connection's retry."""
