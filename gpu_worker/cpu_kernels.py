@@ -1,4 +1,4 @@
-"""Builds and loads the worker's C sources for the CPU (the decode kernel, the fused bf16 ops).
+"""Builds and loads the worker's C sources for the CPU (the attention kernels, the fused ops).
 
 Each source is compiled once per machine with the system C compiler (`cc`, or `$CC`) into a
 cache directory (`$PAGEDSERVE_CACHE_DIR/kernels`, default `~/.cache/pagedserve/kernels`), keyed
@@ -32,7 +32,7 @@ INCLUDE_DIR = Path(__file__).with_name("csrc")
 
 _lock = threading.Lock()
 _loaded: dict[Path, ctypes.CDLL | None] = {}
-_typed: set[tuple[int, str]] = set()  # (library id, entry point) whose types are set
+_typed: set[int] = set()  # ids of the libraries load_entry_points has typed
 
 
 def _cache_dir() -> Path:
@@ -113,15 +113,14 @@ def load_entry_points(
 ) -> ctypes.CDLL | None:
     """`source`'s library with the entry points named in `argtypes` typed (those arguments, an
     int status returned); None where the environment variable `switch` is "0" or the library
-    cannot build here."""
+    cannot build here. Called on every kernel call: once loaded and typed, a dict lookup."""
     if os.environ.get(switch, "1") == "0":
         return None
-    lib = load(source)
-    if lib is not None:
+    lib = _loaded.get(source) or load(source)
+    if lib is not None and id(lib) not in _typed:
         for name, types in argtypes.items():
-            if (id(lib), name) not in _typed:
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = types
-                _typed.add((id(lib), name))
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = types
+        _typed.add(id(lib))
     return lib

@@ -147,14 +147,18 @@ def _layout(seqs: list[tuple[list[int], int, int]], block_size: int) -> BatchLay
     )
 
 
-Steps = list[list[tuple[list[int], int, int]]]  # per step: (block table, context, new tokens)
+Step = list[tuple[list[int], int, int]]  # per sequence: (block table, context, new tokens)
 
 
 def backend_outputs(
-    steps: Steps, dtype: torch.dtype, configure: Callable[[TorchAttentionBackend], None]
+    steps: list[Step],
+    dtype: torch.dtype,
+    configure: Callable[[TorchAttentionBackend], None],
+    check: Callable[[TorchAttentionBackend, Step], None],
 ) -> list[torch.Tensor]:
     """Every layer's attention output over `steps` (2 layers, 8 query heads over 4 kv heads of
-    32, blocks of 16, inputs from seed 0) through a torch backend `configure` has set up."""
+    32, blocks of 16, inputs from seed 0) through a torch backend `configure` has set up;
+    `check` looks at the backend after each step has begun."""
     bs, heads = 16, 8
     torch.manual_seed(0)
     cache = KVCache(CacheGeometry(2, 4, 32, bs, dtype), 12, 0, "cpu")
@@ -163,6 +167,7 @@ def backend_outputs(
     got = []
     for seqs in steps:
         backend.begin_step(_layout(seqs, bs))
+        check(backend, seqs)
         t = sum(n for *_, n in seqs)
         for layer in range(2):
             q, k, v = (torch.randn(t, n, 32).to(dtype) for n in (heads, 4, 4))
@@ -187,15 +192,18 @@ def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
         [([3, 9, 4], 41, 1), ([7, 1], 25, 1), ([2, 5], 17, 1)],
     ]
 
-    def decode_kernel(on: bool) -> Callable[[TorchAttentionBackend], None]:
-        def configure(backend: TorchAttentionBackend) -> None:
+    outs = {}
+    for on in (True, False):
+
+        def configure(backend: TorchAttentionBackend, on: bool = on) -> None:
             assert backend.use_decode_kernel
             backend.use_decode_kernel = on
 
-        return configure
+        def check(backend: TorchAttentionBackend, seqs: Step, on: bool = on) -> None:
+            assert (backend._decodes is not None) == (on and any(n == 1 for *_, n in seqs))
 
-    with_kernel = backend_outputs(steps, dtype, decode_kernel(True))
-    assert_paths_agree(with_kernel, backend_outputs(steps, dtype, decode_kernel(False)), dtype)
+        outs[on] = backend_outputs(steps, dtype, configure, check)
+    assert_paths_agree(outs[True], outs[False], dtype)
 
 
 @needs_kernel

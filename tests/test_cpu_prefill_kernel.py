@@ -4,15 +4,13 @@ its SDPA path."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
 from gpu_worker import cpu_kernels
-from gpu_worker.attention import BatchLayout, cpu_prefill
+from gpu_worker.attention import cpu_prefill
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
-from tests.test_cpu_fast_paths import assert_paths_agree, backend_outputs
+from tests.test_cpu_fast_paths import Step, assert_paths_agree, backend_outputs
 
 needs_kernel = pytest.mark.skipif(cpu_prefill.load() is None, reason="no C compiler here")
 
@@ -83,22 +81,18 @@ def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
         [([3, 9, 4], 40, 1), ([7, 1], 5, 20), ([2, 5], 0, 17), ([6, 8], 0, 23)],
     ]
 
-    def prefill_kernel(on: bool) -> Callable[[TorchAttentionBackend], None]:
-        def configure(backend: TorchAttentionBackend) -> None:
+    outs = {}
+    for on in (True, False):
+
+        def configure(backend: TorchAttentionBackend, on: bool = on) -> None:
             assert backend.use_prefill_kernel
             backend.use_prefill_kernel = on
-            begin = backend.begin_step
 
-            def begin_step(layout: BatchLayout) -> None:
-                begin(layout)
-                assert (backend._fresh_segments is not None) == on
+        def check(backend: TorchAttentionBackend, seqs: Step, on: bool = on) -> None:
+            assert (backend._fresh_segments is not None) == on
 
-            backend.begin_step = begin_step  # type: ignore[method-assign]
-
-        return configure
-
-    with_kernel = backend_outputs(steps, dtype, prefill_kernel(True))
-    assert_paths_agree(with_kernel, backend_outputs(steps, dtype, prefill_kernel(False)), dtype)
+        outs[on] = backend_outputs(steps, dtype, configure, check)
+    assert_paths_agree(outs[True], outs[False], dtype)
 
 
 @needs_kernel
