@@ -46,6 +46,7 @@ from benchmarks.common import (
     write_json,
 )
 from pagedserve.bench.serve import ServeConfig, run
+from pagedserve.heap import freeze_heap
 from pagedserve.bench.workload import BenchRequest, LengthRange, chat_requests, random_requests
 from pagedserve.model_source import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -183,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"vLLM skipped: no working vllm; install it with: {VLLM_INSTALL_HINT}")
         runs = {f"{n}@{rate:g}": [] for rate in a.request_rate for n in servers}
+        freeze_heap()  # the load client's own collections must not stretch what it measures
         for w in range(a.warmup_rounds):
             reqs = round_requests(
                 workload, WARMUP_ROUND + w, a.num_prompts, a.max_tokens, vocab_size

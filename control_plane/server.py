@@ -24,6 +24,7 @@ from control_plane.request import Request
 from control_plane.tokenizer import LoadedTokenizer
 from control_plane.worker_client import WorkerError
 from pagedserve import grpc_security, wire
+from pagedserve.heap import freeze_heap
 from pagedserve.log import get_logger
 from pagedserve.plan import SampledToken
 from pagedserve.sampling_params import InvalidRequestError
@@ -508,6 +509,7 @@ async def serve(config: ControlPlaneConfig) -> None:
             "control_plane_ready",
             model=cp.model_name,
             workers=[lp.client.address for lp in cp.loops],
+            frozen_objects=freeze_heap(),
         )
         await server.wait_for_termination()
     finally:

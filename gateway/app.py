@@ -47,6 +47,7 @@ from gateway.schemas import (
 from gateway.tools import CallListParser, HermesParser, NamedCallParser, ToolCallParser
 from gateway.upstream import Upstream
 from pagedserve import __version__
+from pagedserve.heap import freeze_heap
 from pagedserve.log import get_logger
 from pagedserve.sampling_params import DEFAULT_MAX_TOKENS
 from pagedserve.wire import early_stopping_to_proto
@@ -182,6 +183,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.start()
+        log.info("gateway_ready", frozen_objects=freeze_heap())
         try:
             yield
         finally:

@@ -273,6 +273,7 @@ def follow(rank: int, size: int, port: int) -> int:
     """A follower rank's life: its config, then plans until end-of-file or a stop."""
     from gpu_worker.server import build_worker
     from pagedserve import wire
+    from pagedserve.heap import freeze_heap
     from protos.v1 import worker_pb2
 
     stdin = sys.stdin.buffer
@@ -282,6 +283,7 @@ def follow(rank: int, size: int, port: int) -> int:
     cfg = pickle.loads(first[1])
     assert cfg.tensor_parallel_size == size
     worker = build_worker(cfg, rank=rank, tp_port=port)
+    freeze_heap()
     runner = worker.runner
     while (frame := _read_frame(stdin)) is not None:
         kind, data = frame

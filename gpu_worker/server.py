@@ -34,6 +34,7 @@ from gpu_worker.parallel import Followers, Shard, TPGroup
 from gpu_worker.team import TeamSizer
 from pagedserve import grpc_security, wire
 from pagedserve.grammar import GrammarCompiler, vocab_tokenizer
+from pagedserve.heap import freeze_heap
 from pagedserve.log import get_logger, human_bytes
 from pagedserve.ports import free_port
 from pagedserve.sampling_params import InvalidRequestError
@@ -435,6 +436,7 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
         num_cpu_blocks=worker.info.num_cpu_blocks,
         block_size=cfg.block_size,
         attention_backend=worker.info.attention_backend,
+        frozen_objects=freeze_heap(),
     )
     options = [
         ("grpc.max_receive_message_length", 64 << 20),

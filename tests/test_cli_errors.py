@@ -223,9 +223,9 @@ def _events(text: str) -> dict[str, dict[str, object]]:
 def test_worker_startup_lines(
     micro_llama: Path, spawn: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
-    """The model (path, size, dtype), the CPU kernels (compiled, then found in the cache) and
-    both KV pools in blocks, tokens and bytes; JSON by default off a terminal, key=value lines
-    with --log-format console."""
+    """The model (path, size, dtype), the CPU kernels (compiled, then found in the cache),
+    both KV pools in blocks, tokens and bytes, and the heap frozen once ready; JSON by default
+    off a terminal, key=value lines with --log-format console."""
     env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path), "PAGEDSERVE_LOG_FORMAT": "auto"}
     args = ["--model", str(micro_llama), "--dtype", "float32", "--block-size", "16"]
     args += ["--kv-cache-memory", "1MiB", "--swap-space", "2MiB"]
@@ -255,6 +255,8 @@ def test_worker_startup_lines(
     kv, swap = ev["kv_cache_allocated"], ev["swap_pool_allocated"]
     assert (kv["blocks"], kv["tokens"], kv["size"]) == (128, 2048, "1.0 MiB")
     assert (swap["blocks"], swap["tokens"], swap["size"]) == (256, 4096, "2.0 MiB")
+    # What start-up made (modules, the model) is out of the collector's way once ready.
+    assert int(ev["worker_ready"]["frozen_objects"]) > 10_000
 
     port = free_port()
     console = ["--log-format", "console", "--port", str(port)]

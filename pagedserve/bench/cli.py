@@ -19,6 +19,7 @@ from pagedserve.bench.workload import (
     random_requests,
     shared_prefix_requests,
 )
+from pagedserve.heap import freeze_heap
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -133,8 +134,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
     }
+    requests = build_requests(a)
+    freeze_heap()  # the client's own collections must not stretch what it measures
     try:
-        report.update(asyncio.run(run(cfg, build_requests(a))))
+        report.update(asyncio.run(run(cfg, requests)))
     except BenchError as exc:
         raise SystemExit(f"pagedserve bench serve: {exc}") from None
     print(format_report(report))
