@@ -46,8 +46,8 @@ from benchmarks.common import (
     write_json,
 )
 from pagedserve.bench.serve import ServeConfig, run
-from pagedserve.heap import freeze_heap
 from pagedserve.bench.workload import BenchRequest, LengthRange, chat_requests, random_requests
+from pagedserve.heap import freeze_heap
 from pagedserve.model_source import DEFAULT_MODEL_NAME, ensure_default_model
 
 W64_LENGTHS = LengthRange(32, 256)
