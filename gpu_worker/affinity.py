@@ -1,4 +1,4 @@
-"""The worker's OpenMP threads, one to a core.
+"""The worker's OpenMP threads, one to a core, and its CPU priority below the other services'.
 
 On a machine it shares with the control plane, the gateway and its clients, a worker whose
 threads float lets the scheduler stack two of them on one core or move one mid-step, and every
@@ -8,6 +8,12 @@ other processes take what is left. libgomp reads these when torch loads it, so t
 them before it imports torch. The threads the worker starts for other work (gRPC, grammar
 compilation) get the whole machine back (`unbind_this_thread`). docs/benchmarks.md has the
 measurements.
+
+The worker is the one process that would take every cycle it can get; the gateway and the
+control plane need little, but at once, and a request waits for them at each hop. With equal
+priority a woken gateway waited behind the model's threads for tens of milliseconds at a time
+under overload (`benchmarks/overload.py`); the worker lowers its own priority
+(`yield_cpu_to_others`, `--nice`) so they run first and the model gets the rest.
 """
 
 from __future__ import annotations
@@ -50,3 +56,33 @@ def unbind_this_thread() -> None:
     bound."""
     if _whole is not None:
         os.sched_setaffinity(0, _whole)
+
+
+# The worker's default niceness on a CPU: weight 110 against the other processes' 1,024.
+CPU_NICE = 10
+
+
+def yield_cpu_to_others(nice: int) -> str | None:
+    """Lowers this process's CPU priority by `nice` so that the gateway, the control plane and
+    their clients on the same cores run first when they wake, and the model takes what they
+    leave: every thread it has (Linux keeps a niceness per thread), hence every thread they
+    start from now on (a new thread inherits its creator's), and, where this process leads a
+    session of its own (`pagedserve up` starts each component so), the session's autogroup,
+    since the kernel first shares the CPU between autogroups and a niceness only counts within
+    one. Returns "session" or "threads" (where it applied), None for `nice` 0."""
+    if nice <= 0:
+        return None
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            now = os.getpriority(os.PRIO_PROCESS, int(tid))
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, now + nice))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    if os.getsid(0) == os.getpid():
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+            return "session"
+        except OSError:  # a kernel without autogroups, or one that refuses
+            pass
+    return "threads"

@@ -196,6 +196,7 @@ WORKER_FLAGS = [
     "max-model-len",
     "num-threads",
     "no-adaptive-threads",
+    "nice",
     "tensor-parallel-size",
     "warmup-batch-size",
     "served-model-name",

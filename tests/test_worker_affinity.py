@@ -1,9 +1,13 @@
 """The worker's model threads, one to a core: bound where the worker is the only team on the
-cores it may use, left alone where the user chose a thread count or a placement."""
+cores it may use, left alone where the user chose a thread count or a placement. And its CPU
+priority, below the other services' on a CPU."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,3 +93,91 @@ def test_a_worker_with_a_thread_count_is_not_bound(
     )
     assert '"threads_bound"' not in w.output()
     assert all(c == CPUS for c in _thread_cpus(w.proc.pid).values())
+
+
+# -- CPU priority -------------------------------------------------------------------------------
+
+_PROBE = """
+import json, os, sys, threading
+from gpu_worker.affinity import yield_cpu_to_others
+before = os.getpriority(os.PRIO_PROCESS, 0)
+go, older = threading.Event(), {}
+def wait():
+    go.wait()
+    older.update(nice=os.getpriority(os.PRIO_PROCESS, 0))
+first = threading.Thread(target=wait)
+first.start()
+scope = yield_cpu_to_others(int(sys.argv[1]))
+go.set()
+first.join()
+started = {}
+t = threading.Thread(target=lambda: started.update(nice=os.getpriority(os.PRIO_PROCESS, 0)))
+t.start()
+t.join()
+with open("/proc/self/autogroup") as f:
+    group = f.read().split()[-1]
+print(json.dumps({"before": before, "after": os.getpriority(os.PRIO_PROCESS, 0),
+                  "thread": started["nice"], "older": older["nice"], "scope": scope,
+                  "group": int(group)}))
+"""
+
+HAS_AUTOGROUP = os.path.exists("/proc/self/autogroup")
+
+
+def _probe(nice: int, new_session: bool) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(nice)],
+        capture_output=True, text=True, timeout=60, start_new_session=new_session,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+@pytest.mark.skipif(not HAS_AUTOGROUP, reason="a kernel without autogroups")
+def test_a_session_leader_lowers_its_threads_and_its_sessions_autogroup() -> None:
+    got = _probe(7, new_session=True)
+    assert got["scope"] == "session"
+    assert got["after"] == got["thread"] == got["older"] == min(19, int(str(got["before"])) + 7)
+    assert got["group"] == 7
+
+
+@pytest.mark.skipif(not HAS_AUTOGROUP, reason="a kernel without autogroups")
+def test_a_process_in_anothers_session_leaves_the_sessions_autogroup_alone() -> None:
+    with open("/proc/self/autogroup") as f:
+        ours = int(f.read().split()[-1])
+    got = _probe(7, new_session=False)
+    assert got["scope"] == "threads"
+    assert got["after"] == got["thread"] == got["older"] == min(19, int(str(got["before"])) + 7)
+    assert got["group"] == ours
+
+
+def test_nice_zero_changes_nothing() -> None:
+    got = _probe(0, new_session=True)
+    assert got["scope"] is None
+    assert got["after"] == got["thread"] == got["older"] == got["before"]
+
+
+def _thread_nices(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+@pytest.mark.parametrize("flag, lowered", [([], 10), (["--nice", "0"], 0), (["--nice", "3"], 3)])
+def test_a_cpu_worker_yields_to_the_other_services_unless_told_not_to(
+    spawn: Callable[..., ServerProcess], micro_llama: Path, flag: list[str], lowered: int
+) -> None:
+    port = free_port()
+    args = worker_cli_args(micro_llama, port, 64, 0, "float32") + flag
+    w = spawn("worker", *args, ready_address=f"127.0.0.1:{port}")
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    expected = min(19, ours + lowered)
+    assert os.getpriority(os.PRIO_PROCESS, w.proc.pid) == expected  # the model's thread
+    # And every other thread: those it had (numpy's BLAS pool) and those started after (OpenMP's,
+    # gRPC's).
+    assert set(_thread_nices(w.proc.pid)) == {expected}
+    assert ('"cpu_priority_lowered"' in w.output()) == (lowered > 0)
