@@ -35,11 +35,17 @@ def hash_block(
         parts.append(b"\x00")
     else:
         parts += [b"\x01", _u32(len(parent)), parent]
-    parts += [_u32(len(token_ids)), struct.pack(f"<{len(token_ids)}Q", *token_ids)]
+    parts += [_u32(len(token_ids)), token_bytes(token_ids)]
     parts.append(_u32(len(extra_keys)))
     for key in extra_keys:
         parts += _encode_key(key)
     return xxhash.xxh3_128_digest(b"".join(parts), seed=_SEED)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the hash encodes them (8 bytes each, little-endian): also how a cached
+    block keeps its tokens, a fifth of the memory of a tuple of Python ints."""
+    return struct.pack(f"<{len(token_ids)}Q", *token_ids)
 
 
 def block_extra_keys(cache_salt: str | None) -> tuple[ExtraKey, ...]:

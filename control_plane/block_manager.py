@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from control_plane.block_hash import BlockHash
+from control_plane.block_hash import BlockHash, token_bytes
 from control_plane.block_pool import (
     AllBlocksCleared,
     BlockEvent,
@@ -172,7 +172,7 @@ class BlockManager:
         block_ids: list[int] = []
         for i, h in enumerate(req.block_hashes[: (req.num_tokens - 1) // bs]):
             b = self.gpu.cached.get(h)
-            if b is None or self.gpu.meta[b].token_ids != tuple(
+            if b is None or self.gpu.meta[b].tokens != token_bytes(
                 req.token_ids_slice(i * bs, (i + 1) * bs)
             ):
                 break  # a miss, or a hash collision
@@ -195,7 +195,7 @@ class BlockManager:
         end = min(req.num_computed_tokens // bs, len(req.block_hashes), len(table))
         for i in range(start, end):
             parent = req.block_hashes[i - 1] if i else None
-            tokens = tuple(req.token_ids_slice(i * bs, (i + 1) * bs))
+            tokens = token_bytes(req.token_ids_slice(i * bs, (i + 1) * bs))
             self.gpu.register(table[i], CachedBlock(req.block_hashes[i], parent, tokens))
         self._num_offered[req.req_id] = max(start, end)
 
@@ -460,7 +460,7 @@ class BlockManager:
         assert not self.cpu.cached, "the CPU pool has no prefix cache"
         assert self.enable_prefix_caching or not self.gpu.cached, "caching is off, blocks cached"
         for b, meta in self.gpu.meta.items():
-            assert len(meta.token_ids) == self.block_size, f"gpu block {b} caches a partial block"
+            assert meta.num_tokens == self.block_size, f"gpu block {b} caches a partial block"
         for req_id, n in self._num_offered.items():
             table = self._gpu_tables.get(req_id)
             assert table is not None and n <= len(table), f"{req_id}: offered {n} blocks"

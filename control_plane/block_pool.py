@@ -70,13 +70,18 @@ class AllBlocksCleared:
 BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CachedBlock:
-    """What a registered block holds; token_ids rule out hash collisions on a hit."""
+    """What a registered block holds; its tokens (`block_hash.token_bytes`) rule out hash
+    collisions on a hit. One per cached block, so kept small: ~400 bytes with 16 tokens."""
 
     block_hash: BlockHash
     parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]
+    tokens: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 8
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from control_plane.block_hash import token_bytes
 from control_plane.block_manager import BlockManager, BlockRemoved, BlockStored
 from control_plane.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -278,7 +279,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for b, meta in self.bm.gpu.meta.items():
             held = self.gpu[b]
             assert all(s is not None for s in held)
-            assert tuple(s[-1] for s in held if s is not None) == meta.token_ids
+            assert token_bytes([s[-1] for s in held if s is not None]) == meta.tokens
 
     @invariant()
     def events_replay_to_the_cache(self) -> None:

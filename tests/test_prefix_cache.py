@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 import control_plane.block_hash as block_hash
-from control_plane.block_hash import hash_block, request_block_hashes
+from control_plane.block_hash import hash_block, request_block_hashes, token_bytes
 from control_plane.block_manager import (
     AllBlocksCleared,
     BlockManager,
@@ -358,7 +358,7 @@ def test_refcounts_after_an_n4_fork_and_as_each_child_finishes() -> None:
 
 def _cache_in(pool: BlockPool, block_id: int) -> None:
     pool.cached[b"z"] = block_id
-    pool.meta[block_id] = CachedBlock(b"z", None, (1, 2, 3, 4))
+    pool.meta[block_id] = CachedBlock(b"z", None, token_bytes([1, 2, 3, 4]))
 
 
 @pytest.mark.parametrize(
