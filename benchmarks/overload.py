@@ -7,9 +7,11 @@ Phases, one `up` for all of them:
    request when the last ends, or after a 429's Retry-After); completed requests per second.
 3. **Overload**: Poisson arrivals at `--overload` × capacity for `--duration` seconds, mixed
    lengths; a share of the clients disconnect mid-stream, another share abort before their
-   first token. Reported: status counts (200 / 429 / 5xx), the 429s' latency, the admitted
-   requests' TTFT percentiles against the unloaded figure, the RSS of every process (sampled
-   each second; "flat" compares the last quarter with the first after warm-up).
+   first token. Reported: status counts (200 / 429 / 5xx), the 429s' latency (at the client,
+   and in the gateway from its access lines), the admitted requests' TTFT percentiles against
+   the unloaded figure, the RSS of every process (sampled each second; "flat" compares the
+   last quarter with the first after warm-up), and how late the load client's own event loop
+   woke (what of a latency it measures may be its own).
 4. **Drain**: once the load stops, the waiting queue empties and no KV block stays in use.
 5. **Slow readers**: streaming clients that never read, for longer than the gateway's
    `--stream-stall-timeout`: the gateway's and control plane's RSS before, at peak and after,
