@@ -152,8 +152,6 @@ def cmd_worker(a: argparse.Namespace) -> int:
     configure_logging("worker", a.log_format)
     if bound:
         get_logger("pagedserve.worker").info("threads_bound", places="cores")
-    if niced is not None:
-        get_logger("pagedserve.worker").info("cpu_priority_lowered", nice=nice, scope=niced)
     _check_port(a.host, a.port)
     stop_on_signals()
     with _config_errors():
@@ -177,6 +175,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
             warmup_batch_size=a.warmup_batch_size,
             grpc_security=_grpc_security(a),
         )
+    if niced is not None:  # said once the command line has been found good
+        get_logger("pagedserve.worker").info("cpu_priority_lowered", nice=nice, scope=niced)
     try:
         serve(cfg)
     except (CheckpointError, UnsupportedModelError, WorkerStartupError) as exc:  # before listening
