@@ -11,9 +11,13 @@ measurements.
 
 The worker is the one process that would take every cycle it can get; the gateway and the
 control plane need little, but at once, and a request waits for them at each hop. With equal
-priority a woken gateway waited behind the model's threads for tens of milliseconds at a time
-under overload (`benchmarks/overload.py`); the worker lowers its own priority
-(`yield_cpu_to_others`, `--nice`) so they run first and the model gets the rest.
+priority a woken control plane waited behind the model's threads for tens of milliseconds at
+a time under overload (`benchmarks/overload.py`). The worker lowers the priority of its model
+threads (`lower_threads`, `--nice`) so the others run first and the model gets the rest; its
+gRPC threads, which answer the control plane's health probes, keep theirs: a worker lowered
+whole went unanswered for 10 s while another server started beside it, and was taken for
+lost. A niceness counts among the threads of one autogroup (one session, where the kernel
+groups by session), so `pagedserve up` keeps its children in its own session.
 """
 
 from __future__ import annotations
@@ -58,31 +62,24 @@ def unbind_this_thread() -> None:
         os.sched_setaffinity(0, _whole)
 
 
-# The worker's default niceness on a CPU: weight 110 against the other processes' 1,024.
+# The worker's default niceness on a CPU: its model threads weigh 110 against the 1,024 of
+# every other thread of the machine's processes (its own gRPC threads included).
 CPU_NICE = 10
 
 
-def yield_cpu_to_others(nice: int) -> str | None:
-    """Lowers this process's CPU priority by `nice` so that the gateway, the control plane and
-    their clients on the same cores run first when they wake, and the model takes what they
-    leave: every thread it has (Linux keeps a niceness per thread), hence every thread they
-    start from now on (a new thread inherits its creator's), and, where this process leads a
-    session of its own (`pagedserve up` starts each component so), the session's autogroup,
-    since the kernel first shares the CPU between autogroups and a niceness only counts within
-    one. Returns "session" or "threads" (where it applied), None for `nice` 0."""
-    if nice <= 0:
-        return None
-    for tid in os.listdir("/proc/self/task"):
+def thread_ids() -> list[int]:
+    return [int(tid) for tid in os.listdir("/proc/self/task")]
+
+
+def lower_threads(tids: list[int], nice: int) -> int:
+    """Lowers the CPU priority of these threads of this process by `nice` (a thread started by
+    one of them afterwards inherits it); returns how many it lowered."""
+    done = 0
+    for tid in tids:
         try:
-            now = os.getpriority(os.PRIO_PROCESS, int(tid))
-            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, now + nice))
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
+            done += 1
         except OSError:  # a thread that ended meanwhile
             pass
-    if os.getsid(0) == os.getpid():
-        try:
-            with open("/proc/self/autogroup", "w") as f:
-                f.write(str(nice))
-            return "session"
-        except OSError:  # a kernel without autogroups, or one that refuses
-            pass
-    return "threads"
+    return done

@@ -47,6 +47,8 @@ class WorkerConfig:
     # The team size of each step measured between the whole team and one thread fewer
     # (gpu_worker.team); set where the threads are bound (gpu_worker.affinity).
     adaptive_threads: bool = False
+    # Niceness added to the model's threads once serving (gpu_worker.affinity.lower_threads).
+    nice: int = 0
     warmup_batch_size: int = 128  # decode batch sizes whose CPU kernels are built at startup
     grpc_security: GrpcSecurity = INSECURE  # who may call it: token, TLS / mTLS
     tensor_parallel_size: int = 1  # rank processes sharing the model (gpu_worker/parallel.py)

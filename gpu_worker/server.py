@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_worker import cpu_isa
-from gpu_worker.affinity import unbind_this_thread
+from gpu_worker.affinity import lower_threads, thread_ids, unbind_this_thread
 from gpu_worker.attention import create_backend
 from gpu_worker.checkpoint import load_config, load_model, model_name, size_on_disk
 from gpu_worker.config import DTYPES, WorkerConfig
@@ -422,6 +422,9 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
             followers.watch()
         else:
             worker = build_worker(cfg)
+        # The model thread and the threads it has started (its OpenMP team): the threads to
+        # lower once the gRPC server's own have started at the priority they all have now.
+        model_threads = thread_ids()
     except ValueError as exc:  # a checkpoint, a dtype or a pool size that cannot be served
         if followers is not None:
             followers.stop()
@@ -468,6 +471,10 @@ def serve(cfg: WorkerConfig, ready: threading.Event | None = None) -> None:
     for name in ("", names[0]):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("worker_listening", address=f"{cfg.host}:{cfg.port}")
+    if cfg.nice > 0:
+        log.info(
+            "cpu_priority_lowered", nice=cfg.nice, threads=lower_threads(model_threads, cfg.nice)
+        )
     if ready is not None:
         ready.set()
     try:

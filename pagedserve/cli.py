@@ -137,11 +137,9 @@ def cmd_model_convert(a: argparse.Namespace) -> int:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    from gpu_worker.affinity import CPU_NICE, bind_threads_to_cores, yield_cpu_to_others
+    from gpu_worker.affinity import CPU_NICE, bind_threads_to_cores
 
     bound = bind_threads_to_cores(a.device, a.num_threads, a.tensor_parallel_size)  # before torch
-    nice = a.nice if a.nice is not None else CPU_NICE if a.device == "cpu" else 0
-    niced = yield_cpu_to_others(nice)  # before any thread starts, so that all inherit it
     from gpu_worker.checkpoint import CheckpointError
     from gpu_worker.config import WorkerConfig
     from gpu_worker.models.config import UnsupportedModelError
@@ -173,10 +171,9 @@ def cmd_worker(a: argparse.Namespace) -> int:
             adaptive_threads=bound and not a.no_adaptive_threads,
             tensor_parallel_size=a.tensor_parallel_size,
             warmup_batch_size=a.warmup_batch_size,
+            nice=a.nice if a.nice is not None else CPU_NICE if a.device == "cpu" else 0,
             grpc_security=_grpc_security(a),
         )
-    if niced is not None:  # said once the command line has been found good
-        get_logger("pagedserve.worker").info("cpu_priority_lowered", nice=nice, scope=niced)
     try:
         serve(cfg)
     except (CheckpointError, UnsupportedModelError, WorkerStartupError) as exc:  # before listening
@@ -355,8 +352,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         "--nice",
         type=int,
         default=None,
-        help="lower the worker's CPU priority by this much, so the gateway and control plane "
-        "on the same cores answer first (default: 10 on a CPU, 0 on CUDA; 0 keeps it)",
+        help="lower the CPU priority of the worker's model threads by this much, so the gateway "
+        "and control plane on the same cores answer first (default: 10 on a CPU, 0 on CUDA)",
     )
     _flag(
         p,

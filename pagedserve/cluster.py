@@ -5,8 +5,11 @@ HTTP gateway, in that order, waiting until each is healthy; prints the URL. Ctrl
 SIGTERM) stops them in reverse order: the gateway first lets in-flight requests finish, then
 the control plane drains, then the workers and Redis go.
 
-Children run in their own sessions, so a terminal's Ctrl-C reaches only this process and the
-shutdown order holds; each child gets SIGTERM should this process die without cleaning up.
+Children run in process groups of their own, so a terminal's Ctrl-C reaches only this process
+and the shutdown order holds; each child gets SIGTERM should this process die without cleaning
+up. They stay in this process's session: where the kernel shares the CPU between sessions'
+autogroups first, the worker's lowered model threads (`--nice`) then yield to the gateway and
+the control plane as they should.
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ class Child:
         argv, env = self.argv, self.env
         self.proc = subprocess.Popen(
             [*guard, *argv],
+            stdin=subprocess.DEVNULL,  # a background process group must not read the terminal
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
             text=True,
             bufsize=1,
-            start_new_session=True,
+            process_group=0,
         )
         self._pump = threading.Thread(target=self._prefix, args=(self.proc,), daemon=True)
         self._pump.start()
