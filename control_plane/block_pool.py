@@ -73,7 +73,7 @@ BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
 @dataclass(frozen=True, slots=True)
 class CachedBlock:
     """What a registered block holds; its tokens (`block_hash.token_bytes`) rule out hash
-    collisions on a hit. One per cached block, so kept small: ~400 bytes with 16 tokens."""
+    collisions on a hit. One per cached block, so kept small: ~270 bytes with 16 tokens."""
 
     block_hash: BlockHash
     parent_block_hash: BlockHash | None
