@@ -15,7 +15,8 @@ Phases, one `up` for all of them:
 4. **Drain**: once the load stops, the waiting queue empties and no KV block stays in use.
 5. **Slow readers**: streaming clients that never read, for longer than the gateway's
    `--stream-stall-timeout`: the gateway's and control plane's RSS before, at peak and after,
-   and whether their requests were aborted (KV blocks freed).
+   how many were admitted (the status waiting on each socket, peeked at, never read) and
+   whether those were aborted (KV blocks freed).
 6. **Amplification**: one small request asking for prompts × n × max_tokens × logprobs far
    beyond the request budget: its status and size, and the memory it cost.
 
@@ -293,6 +294,16 @@ def never_reading(port: int, body: dict[str, Any]) -> socket.socket:
     return s
 
 
+def peeked_status(s: socket.socket) -> int:
+    """The status of the response waiting on a never-read socket, looked at without taking it
+    off the socket (0: none yet)."""
+    try:
+        head = s.recv(12, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0
+    return int(head[9:12]) if head.startswith(b"HTTP/1.1 ") else 0
+
+
 def pct(values: Sequence[float], q: float) -> float | None:
     return percentile(values, q) if values else None
 
@@ -411,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if m.get("num_requests_running", 1) == 0 and time.monotonic() - start > 1:
                 break
             time.sleep(0.5)
+        statuses = [peeked_status(s) for s in sockets]
         for s in sockets:
             s.close()
         time.sleep(2)
@@ -419,6 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["slow_readers"] = {"clients": a.slow_readers, "request": slow,
                                   "rss_before_mib": before, "rss_peak_mib": peak,
                                   "rss_after_mib": after, "aborted": aborted,
+                                  "admitted": statuses.count(200),
+                                  "status": {str(c): statuses.count(c) for c in set(statuses)},
                                   "seconds_to_abort": time.monotonic() - start - 2}  # fmt: skip
 
         # 6. amplification
@@ -481,7 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
         ["slow readers: gateway RSS before / peak / after (MiB)", mib("gateway")],
         ["slow readers: control plane RSS before / peak / after (MiB)", mib("control-plane")],
-        ["slow readers aborted", f"{sr['aborted']:.0f} of {a.slow_readers}"],
+        [
+            "slow readers: admitted (statuses), aborted",
+            f"{sr['admitted']} of {a.slow_readers} ({json.dumps(sr['status'])}), "
+            f"{sr['aborted']:.0f}",
+        ],
         ["amplification: status, response bytes", f"{amp['status']}, {amp['response_bytes']}"],
     ]
     print(format_table(["", "figure"], rows))

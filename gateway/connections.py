@@ -1,13 +1,15 @@
-"""The HTTP/1.1 connections under the app: uvicorn's h11 protocol with deadlines on reading a
-request and a cap on open connections.
+"""The HTTP/1.1 connections under the app: uvicorn's httptools protocol (llhttp, in C) with
+deadlines on reading a request, a cap on a request's head and a cap on open connections.
 
-Uvicorn (0.54) has neither: its keep-alive timeout starts only after a response, so a client
-that connects and sends nothing, or sends its headers a byte at a time, holds a socket for
-ever; and its `limit_concurrency` counts every open connection against each request, so a
-crowd of idle sockets would turn away the clients already connected.
+Uvicorn (0.54) has none of them: its keep-alive timeout starts only after a response, so a
+client that connects and sends nothing, or sends its headers a byte at a time, holds a socket
+for ever; its httptools protocol takes headers of any size; and its `limit_concurrency` counts
+every open connection against each request, so a crowd of idle sockets would turn away the
+clients already connected.
 
     connection opened / previous response sent
       │ headers: ≤ header_timeout_s ── late: closed (408 if part of a request had come)
+      │          ≤ MAX_HEAD_BYTES ──── more: 431, closed
       ▼
     request line and headers in
       │ body: ≤ body_timeout_s ──────── late: 408, closed
@@ -27,9 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import h11
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import APIError
 from pagedserve.log import get_logger
@@ -40,6 +41,8 @@ log = get_logger(__name__)
 # most, so that a client still writing finds the 503 rather than a connection reset.
 _DRAIN_S = 0.5
 _DRAIN_BYTES = 1 << 20
+# A request line and headers larger than this are refused (431).
+MAX_HEAD_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,15 @@ class _Phase(enum.Enum):
     BODY = "body"
 
 
-class GuardedH11Protocol(H11Protocol):
-    """H11Protocol with read deadlines and a connection cap; `limits` is set by
-    `guarded_protocol`, which uvicorn's `http=` takes."""
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol with read deadlines, a cap on a request's head and a connection cap;
+    `limits` is set by `guarded_protocol`, which uvicorn's `http=` takes.
+
+    What the connection waits for from the client follows the parser's callbacks: a request's
+    head from the moment the connection opens or the last response is sent, until the head is
+    parsed; then its body, until the message is complete; then nothing while the app answers.
+    A request pipelined behind one still being answered waits without a deadline, as its
+    reading is paused."""
 
     limits: ClassVar[EdgeLimits]
 
@@ -65,34 +74,52 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kw)
         self._phase: _Phase | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # of the request whose head is being read
+        self._body_done = True  # the last request's message was read to its end
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             _RefusalLog.refused(self.limits.max_connections)
             self.app = _over_capacity(self.limits)
-        self._follow()
+        self._set_deadline(_Phase.HEADERS)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_deadline(None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._phase is _Phase.HEADERS:
+            self._head_bytes += len(data)
         super().data_received(data)
-        self._follow()
+        # Still reading the head after this many bytes (what of them belonged to a body only
+        # counts when the head ended in them, and then the phase has moved on).
+        if self._phase is _Phase.HEADERS and self._head_bytes > MAX_HEAD_BYTES:
+            if not self.transport.is_closing():
+                self._refuse_head()
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._body_done = False
+        pipelined = bool(self.pipeline) and self.pipeline[0][0] is self.cycle
+        self._set_deadline(None if pipelined else _Phase.BODY)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._body_done = True
+        if self._phase is _Phase.BODY:
+            self._set_deadline(None)
 
     def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)
         super().on_response_complete()
-        self._follow()
-
-    def _follow(self) -> None:
-        """Arms the deadline of what the connection now waits for from the client."""
-        state = self.conn.their_state
-        phase = (
-            _Phase.HEADERS if state is h11.IDLE else _Phase.BODY if state is h11.SEND_BODY else None
-        )
-        if phase is not self._phase:
-            self._set_deadline(phase)
+        if pipelined or self.transport.is_closing():
+            return
+        # Answered before its body was read (a 401 does not read it): the rest of the body is
+        # still owed, under the body's deadline.
+        if self._body_done:
+            self._head_bytes = 0
+        self._set_deadline(_Phase.HEADERS if self._body_done else _Phase.BODY)
 
     def _set_deadline(self, phase: _Phase | None) -> None:
         self._phase = phase
@@ -111,13 +138,11 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        partial = phase is _Phase.BODY or bool(self.conn.trailing_data[0])
-        if partial:
+        if phase is _Phase.BODY or self._head_bytes:
             # A quiet connection is simply closed; a half-sent request hears why.
             timeout = self._limit(phase)
             log.info("http_read_timeout", part=phase.value, timeout_s=timeout)
-            # Waiting for headers, the previous response (if any) is complete; waiting for a
-            # body, the app may have answered already (a 401 does not read the body).
+            # Waiting for a body, the app may have answered already (a 401 does not read it).
             answered = (
                 phase is _Phase.BODY and self.cycle is not None and self.cycle.response_started
             )
@@ -130,6 +155,21 @@ class GuardedH11Protocol(H11Protocol):
                     code="request_timeout",
                 )
                 self.transport.write(_raw_response(408, b"Request Timeout", err.body()))
+        self._close()
+
+    def _refuse_head(self) -> None:
+        log.info("http_head_too_large", max_bytes=MAX_HEAD_BYTES)
+        err = APIError(
+            431,
+            f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
+            type="invalid_request_error",
+            code="request_header_fields_too_large",
+        )
+        self.transport.write(_raw_response(431, b"Request Header Fields Too Large", err.body()))
+        self._close()
+
+    def _close(self) -> None:
+        self._set_deadline(None)
         if self.cycle is not None:
             # The app (waiting for the body) hears http.disconnect; what it sends is dropped.
             self.cycle.disconnected = True
@@ -152,14 +192,14 @@ class _RefusalLog:
             cls.count, cls.logged_at = 0, now
 
 
-def guarded_protocol(limits: EdgeLimits) -> type[GuardedH11Protocol]:
+def guarded_protocol(limits: EdgeLimits) -> type[GuardedHttpProtocol]:
     """The protocol class for uvicorn's `http=`, with these limits."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
 
 
 def _raw_response(status: int, reason: bytes, body: dict[str, Any]) -> bytes:
-    """A whole response that closes the connection, written below h11 (which, with no request
-    read, has nothing to answer)."""
+    """A whole response that closes the connection, written below the protocol (which, with
+    no request read whole, has nothing to answer)."""
     data = json.dumps(body, separators=(",", ":")).encode()
     head = (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"

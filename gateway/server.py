@@ -35,7 +35,7 @@ def serve(config: GatewayConfig, log_format: str | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(config.graceful_shutdown_s),
-        # h11 with read deadlines and a connection cap (gateway.connections).
+        # httptools with read deadlines, a head cap and a connection cap (gateway.connections).
         http=guarded_protocol(
             EdgeLimits(
                 header_timeout_s=config.http_header_timeout_s,

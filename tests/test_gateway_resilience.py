@@ -116,6 +116,37 @@ def test_slow_headers_and_bodies_time_out(procs: Processes) -> None:
     assert r.status_code == 200
 
 
+def test_a_head_past_the_cap_gets_431_and_kept_alive_requests_are_still_timed(
+    procs: Processes,
+) -> None:
+    nowhere = f"127.0.0.1:{free_port()}"
+    gw = procs.gateway(nowhere, "--http-header-timeout", "1")
+    port = _port(gw)
+    # Headers sent fast enough to beat the deadline, but without end.
+    big = _raw(port, b"GET /version HTTP/1.1\r\nHost: x\r\n")
+    try:
+        for _ in range(100):
+            big.sendall(b"X-Filler: " + b"y" * 1000 + b"\r\n")
+    except OSError:
+        pass  # refused and closed before the client was done
+    got = _closed_within(big, 3)
+    assert got is not None and got.startswith(b"HTTP/1.1 431"), got
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+        "request_header_fields_too_large"
+    )
+    # A kept-alive connection: each request's head has the same deadline after a response, and
+    # two requests sent together (pipelined) are both answered.
+    s = _raw(port, b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+    s.settimeout(3)
+    answered = b""
+    while answered.count(b'{"version"') < 2:  # both responses, to their bodies' ends
+        answered += s.recv(65536)
+    s.sendall(b"GET /version HTTP/1.1\r\n")  # then nothing more
+    got = _closed_within(s, 3)
+    assert got is not None and got.startswith(b"HTTP/1.1 408"), got
+    assert httpx.get(f"{gw.url}/version", timeout=5).status_code == 200
+
+
 def test_connections_past_the_cap_get_503(procs: Processes) -> None:
     nowhere = f"127.0.0.1:{free_port()}"
     gw = procs.gateway(nowhere, "--max-connections", "4", "--http-header-timeout", "30")
