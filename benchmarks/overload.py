@@ -21,12 +21,15 @@ Phases, one `up` for all of them:
    beyond the request budget: its status and size, and the memory it cost.
 
 The server runs with `--max-queue-delay` (the benchmark's flag of that name; `off` drops it):
-admission refuses what would wait longer than that for its first token behind the others.
+admission refuses what would wait longer than that for its first token behind the others. It
+is the trade between the admitted requests' first-token latency and the capacity, and fits a
+model when set near its unloaded TTFT (the default, 20 ms, is tiny's; SmolLM2 on two cores:
+about 0.1 s).
 `--server-args` passes more `up` flags. The load's requests each open a connection of their
 own through a bare HTTP/1.1 client, since the load generator shares the server's cores.
 
     python -m benchmarks.overload --preset tiny
-    python -m benchmarks.overload --preset smollm2 --duration 60
+    python -m benchmarks.overload --preset smollm2 --max-queue-delay 0.1
 """
 
 from __future__ import annotations
