@@ -27,6 +27,7 @@ import enum
 import json
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, ClassVar
 
 from starlette.types import Receive, Scope, Send
@@ -148,24 +149,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             )
             if not answered:
                 flag = "--http-header-timeout" if phase is _Phase.HEADERS else "--http-body-timeout"
-                err = APIError(
-                    408,
-                    f"the request's {phase.value} did not arrive within {timeout:g} s ({flag})",
-                    type="timeout_error",
-                    code="request_timeout",
+                message = (
+                    f"the request's {phase.value} did not arrive within {timeout:g} s ({flag})"
                 )
-                self.transport.write(_raw_response(408, b"Request Timeout", err.body()))
+                err = APIError(408, message, type="timeout_error", code="request_timeout")
+                self.transport.write(_raw_response(err))
         self._close()
 
     def _refuse_head(self) -> None:
         log.info("http_head_too_large", max_bytes=MAX_HEAD_BYTES)
-        err = APIError(
-            431,
-            f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
-            type="invalid_request_error",
-            code="request_header_fields_too_large",
-        )
-        self.transport.write(_raw_response(431, b"Request Header Fields Too Large", err.body()))
+        message = f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
+        code = "request_header_fields_too_large"
+        self.transport.write(_raw_response(APIError(431, message, code=code)))
         self._close()
 
     def _close(self) -> None:
@@ -197,13 +192,14 @@ def guarded_protocol(limits: EdgeLimits) -> type[GuardedHttpProtocol]:
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
 
 
-def _raw_response(status: int, reason: bytes, body: dict[str, Any]) -> bytes:
-    """A whole response that closes the connection, written below the protocol (which, with
-    no request read whole, has nothing to answer)."""
-    data = json.dumps(body, separators=(",", ":")).encode()
+def _raw_response(err: APIError) -> bytes:
+    """`err` as a whole response that closes the connection, written below the protocol
+    (which, with no request read whole, has nothing to answer)."""
+    data = json.dumps(err.body(), separators=(",", ":")).encode()
     head = (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"connection: close\r\n\r\n" % (status, reason, len(data))
+        b"connection: close\r\n\r\n"
+        % (err.status, HTTPStatus(err.status).phrase.encode(), len(data))
     )
     return head + data
 
