@@ -95,9 +95,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().data_received(data)
         # Still reading the head after this many bytes (what of them belonged to a body only
         # counts when the head ended in them, and then the phase has moved on).
+        if self.transport.is_closing():
+            return
         if self._phase is _Phase.HEADERS and self._head_bytes > MAX_HEAD_BYTES:
-            if not self.transport.is_closing():
-                self._refuse_head()
+            self._refuse_head()
+        elif self._phase is None and self._body_done and not self.cycle.response_complete:
+            # The next request sent while this one is answered: read no more of it until the
+            # answer is sent (the parser holds what came, however large its head).
+            self.flow.pause_reading()
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -109,7 +114,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._body_done = True
         if self._phase is _Phase.BODY:
-            self._set_deadline(None)
+            if self.cycle.response_complete:  # answered early: the next request may come
+                self._head_bytes = 0
+                self._set_deadline(_Phase.HEADERS)
+            else:
+                self._set_deadline(None)
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)
