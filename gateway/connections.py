@@ -93,10 +93,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._phase is _Phase.HEADERS:
             self._head_bytes += len(data)
         super().data_received(data)
-        # Still reading the head after this many bytes (what of them belonged to a body only
-        # counts when the head ended in them, and then the phase has moved on).
         if self.transport.is_closing():
             return
+        # Still reading the head after this many bytes (what of them belonged to a body only
+        # counts when the head ended in them, and then the phase has moved on).
         if self._phase is _Phase.HEADERS and self._head_bytes > MAX_HEAD_BYTES:
             self._refuse_head()
         elif self._phase is None and self._body_done and not self.cycle.response_complete:
@@ -115,21 +115,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._body_done = True
         if self._phase is _Phase.BODY:
             if self.cycle.response_complete:  # answered early: the next request may come
-                self._head_bytes = 0
-                self._set_deadline(_Phase.HEADERS)
+                self._await_next()
             else:
                 self._set_deadline(None)
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)
         super().on_response_complete()
-        if pipelined or self.transport.is_closing():
+        if self.transport.is_closing():
             return
-        # Answered before its body was read (a 401 does not read it): the rest of the body is
-        # still owed, under the body's deadline.
+        if pipelined:
+            # The next request starts now; the last of those queued may still owe its body.
+            owed = not self._body_done and not self.pipeline
+            self._set_deadline(_Phase.BODY if owed else None)
+        else:
+            self._await_next()
+
+    def _await_next(self) -> None:
+        """After a response: the next request's head, or the rest of this one's body if it was
+        answered before it was read (a 401 does not read it)."""
         if self._body_done:
             self._head_bytes = 0
-        self._set_deadline(_Phase.HEADERS if self._body_done else _Phase.BODY)
+            self._set_deadline(_Phase.HEADERS)
+        else:
+            self._set_deadline(_Phase.BODY)
 
     def _set_deadline(self, phase: _Phase | None) -> None:
         self._phase = phase

@@ -120,7 +120,7 @@ def test_a_head_past_the_cap_gets_431_and_kept_alive_requests_are_still_timed(
     procs: Processes,
 ) -> None:
     nowhere = f"127.0.0.1:{free_port()}"
-    gw = procs.gateway(nowhere, "--http-header-timeout", "1")
+    gw = procs.gateway(nowhere, "--http-header-timeout", "1", "--http-body-timeout", "1")
     port = _port(gw)
     # Headers sent fast enough to beat the deadline, but without end.
     big = _raw(port, b"GET /version HTTP/1.1\r\nHost: x\r\n")
@@ -144,6 +144,17 @@ def test_a_head_past_the_cap_gets_431_and_kept_alive_requests_are_still_timed(
     s.sendall(b"GET /version HTTP/1.1\r\n")  # then nothing more
     got = _closed_within(s, 3)
     assert got is not None and got.startswith(b"HTTP/1.1 408"), got
+    # A request pipelined behind another, its body cut short: once the first is answered, the
+    # second's body is owed under its deadline.
+    s = _raw(
+        port,
+        b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt":',
+    )
+    got = _closed_within(s, 3)
+    assert got is not None and got.startswith(b"HTTP/1.1 200"), got
+    assert b"HTTP/1.1 408" in got and b"--http-body-timeout" in got, got
     assert httpx.get(f"{gw.url}/version", timeout=5).status_code == 200
 
 
