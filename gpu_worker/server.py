@@ -173,6 +173,7 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
         "model_loaded",
         architecture=model.config.architecture,
         parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M",
+        projections=model.projection_path(),
         seconds=round(time.perf_counter() - t0, 2),
     )
     t0 = time.perf_counter()

@@ -89,6 +89,24 @@ def test_random_presets_close_to_transformers_bf16(
     check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} ours/hf")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_widened_bf16_close_to_transformers_bf16(
+    arch: str,
+    make_checkpoint: Callable[..., Path],
+    spawn: Callable[..., ServerProcess],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The path of CPUs without bf16 products (projections widened to float32, forced here on
+    any CPU) under the same rule."""
+    monkeypatch.setenv("PAGEDSERVE_BF16_WIDEN", "1")
+    model_dir = make_checkpoint(arch, num_hidden_layers=2)
+    prompts = _prompts(6, 4096, seed=7)
+    theirs = hf_greedy_top(hf_model(model_dir, dtype=torch.bfloat16), prompts, 16, TOP)
+    stack = start_stack(spawn, model_dir, dtype="bfloat16")
+    assert '"projections": "onednn-float32-widened"' in stack.worker.output()
+    check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} widened/hf")
+
+
 def test_smollm2_close_to_transformers_bf16(spawn: Callable[..., ServerProcess]) -> None:
     """The real model, converted from its GGUF file (tests/test_smollm2.py holds the conversion
     to transformers' own reading of the file), in bf16 on both sides."""

@@ -239,10 +239,9 @@ def test_prepacked_linears_match_plain(
     layer = model.layers[0]
     assert isinstance(layer, DecoderLayer)
     packed = prepack_supported(dtype, torch.device("cpu"))
-    native = dtype == torch.float32 or (
-        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-    assert packed == (native and torch.backends.mkldnn.is_available())
+    # bfloat16 is packed everywhere: natively, or widened to float32 where the CPU has no bf16
+    # products.
+    assert packed == (dtype != torch.float64 and torch.backends.mkldnn.is_available())
     assert (model.lm_head_packed is not None) == packed == (layer.qkv_packed is not None)
 
     def logits() -> torch.Tensor:
@@ -270,3 +269,44 @@ def test_prepacked_linears_match_plain(
     else:
         torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-3)
         assert torch.equal(fast.argmax(-1), plain.argmax(-1))
+
+
+def test_widened_bf16_projections(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model whose projections multiply in float32 (the path of CPUs without bf16
+    products, forced here on any CPU): float32 copies of the weights, no row padding, bf16
+    outputs, and float32 logits that are the float32 product of the bf16 hidden state and LM
+    head, every one of them (no refinement of a rounded head needed)."""
+    from gpu_worker.checkpoint import load_model
+    from gpu_worker.models.llama import DecoderLayer
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setenv("PAGEDSERVE_BF16_WIDEN", "1")
+    model = load_model(make_checkpoint("qwen2", num_hidden_layers=2), dtype=torch.bfloat16)
+    layer = model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    assert layer.qkv_packed is not None and layer.qkv_packed.dtype == torch.float32
+    assert model.projection_path() == "onednn-float32-widened"
+    assert model.row_padding(5) == 0
+    assert model.warm_up(3) == 5 * 3  # every row count, as float32 does
+
+    x = torch.randn(7, layer.qkv_weight.shape[1]).to(torch.bfloat16)
+    from gpu_worker.models.llama import _linear
+
+    out = _linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
+    assert out.dtype == torch.bfloat16
+    bias = layer.qkv_bias
+    assert bias is not None  # qwen2's q/k/v biases
+    exact = x.double() @ layer.qkv_weight.double().T + bias.double()
+    # One rounding to bf16 of a float32 sum of exact products.
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-3)
+
+    hidden = torch.randn(3, x.shape[1]).to(torch.bfloat16)
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(
+        logits.double(), hidden.double() @ model.lm_head.double().T, rtol=1e-5, atol=1e-4
+    )

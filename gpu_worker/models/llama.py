@@ -25,6 +25,14 @@ loading also keeps a oneDNN-prepacked copy of every projection and of the LM hea
 small matmul's time (float32: 40-80% faster at 64-150 rows on AVX-512; bf16: 1.4-1.9x at 16-64
 rows with AMX). Results differ from `F.linear` by rounding only. Other dtypes (the float64
 exactness tests) and devices use `F.linear`. PAGEDSERVE_ONEDNN_LINEAR=0 turns prepacking off.
+
+A bfloat16 model on a CPU without bf16 products (AVX2 only) is "widened": the prepacked copies
+are float32 (every bf16 weight is exactly a float32), and a projection widens its bf16 input,
+multiplies in float32 and rounds its output to bf16 once. That is what a native bf16 product
+computes (exact products, float32 sums), at float32 speed: torch's bf16 `F.linear` there runs
+at 9 GFLOP/s against 64-72 for this path (64-512 rows x 768 x 2048, one Zen 3 core). The LM
+head's logits then come out in float32 whole. PAGEDSERVE_BF16_WIDEN=1 takes this path on any
+CPU (to compare it with the native one).
 """
 
 from __future__ import annotations
@@ -64,26 +72,40 @@ BF16_PIECES = (512, 128)
 REFINE_TOP = 32
 
 
-def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
+def pack_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype of the prepacked oneDNN copies of a `dtype` model's projections on `device`:
+    float32 for float32, bfloat16 for bfloat16 where oneDNN multiplies it natively, float32
+    for bfloat16 elsewhere (widened); None where projections run `F.linear`."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
+        return None
     if os.environ.get("PAGEDSERVE_ONEDNN_LINEAR", "1") == "0":
-        return False
+        return None
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        widen = os.environ.get("PAGEDSERVE_BF16_WIDEN", "0") == "1"
+        return torch.bfloat16 if native and not widen else torch.float32
+    return torch.float32 if dtype == torch.float32 else None
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    return pack_dtype(dtype, device) is not None
+
+
+def _pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), PACK_BATCH_HINT)
 
 
 def _linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
-    """`F.linear`, through the prepacked oneDNN weight when there is one."""
+    """`F.linear`, through the prepacked oneDNN weight when there is one (widened to float32
+    when that copy is float32 and `x` is not)."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if packed.dtype != x.dtype:  # widened: one rounding, of the output
+        b = None if bias is None else bias.to(packed.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, b, "none", [], "")
+        return out.to(x.dtype)
     rows = x.shape[0]
     if x.dtype != torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -158,11 +180,12 @@ class DecoderLayer(nn.Module):
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
 
-    def prepack(self, enable: bool) -> None:
-        self.qkv_packed = _pack(self.qkv_weight) if enable else None
-        self.o_packed = _pack(self.o_weight) if enable else None
-        self.gate_up_packed = _pack(self.gate_up_weight) if enable else None
-        self.down_packed = _pack(self.down_weight) if enable else None
+    def prepack(self, dtype: torch.dtype | None) -> None:
+        """Prepacked copies in `dtype` (`pack_dtype`); None drops them."""
+        self.qkv_packed = _pack(self.qkv_weight, dtype) if dtype else None
+        self.o_packed = _pack(self.o_weight, dtype) if dtype else None
+        self.gate_up_packed = _pack(self.gate_up_weight, dtype) if dtype else None
+        self.down_packed = _pack(self.down_weight, dtype) if dtype else None
 
     def forward(
         self,
@@ -301,10 +324,23 @@ class CausalLM(nn.Module):
         """Rows added past a step's tokens (token 0 at position 0) so that the prepacked bf16
         projections see multiples of BF16_ROW_ALIGN rows: padded once per step here rather
         than by each projection (4 per layer). 0 on every other path."""
-        first = cast(DecoderLayer, self.layers[0])
-        if self.dtype != torch.bfloat16 or first.qkv_packed is None:
+        if not self._packed_in(torch.bfloat16):
             return 0
         return -num_tokens % BF16_ROW_ALIGN
+
+    def projection_path(self) -> str:
+        """How the projections multiply: `F.linear`, `onednn-float32`, `onednn-bfloat16`, or
+        `onednn-float32-widened` (a half-precision model's products in float32)."""
+        packed = self.lm_head_packed
+        if packed is None:
+            return "F.linear"
+        name = f"onednn-{str(packed.dtype).removeprefix('torch.')}"
+        return name + "-widened" if packed.dtype != self.dtype else name
+
+    def _packed_in(self, dtype: torch.dtype) -> bool:
+        """Whether the prepacked projections are `dtype` copies."""
+        first = cast(DecoderLayer, self.layers[0])
+        return first.qkv_packed is not None and first.qkv_packed.dtype == dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[R, hidden]` -> `[R, vocab]` in float32 (float64 for a float64 model).
@@ -316,14 +352,20 @@ class CausalLM(nn.Module):
         hidden state and weight rows (exact products, float32 sums); the long tail keeps the
         rounded values, whose error is far below anything sampling can resolve there.
         """
-        logits = _linear(hidden, self.lm_head, None, self.lm_head_packed)
-        if self.dtype.itemsize < 4:
+        packed = self.lm_head_packed
+        if packed is not None and packed.dtype != self.dtype:
+            # Widened: float32 products of the half-precision values, all of them exact already.
+            logits = torch.ops.mkldnn._linear_pointwise(
+                hidden.to(packed.dtype), packed, None, "none", [], ""
+            )
+        elif self.dtype.itemsize < 4:
+            logits = _linear(hidden, self.lm_head, None, packed)
             logits, top = self.ops.widen_top(logits, min(REFINE_TOP, logits.shape[1]))  # [R, k]
             rows = self.lm_head[top].to(self.logits_dtype)  # [R, k, hidden]
             exact = torch.bmm(rows, hidden.to(self.logits_dtype).unsqueeze(2)).squeeze(2)
             logits.scatter_(1, top, exact)
         else:
-            logits = logits.to(self.logits_dtype)
+            logits = _linear(hidden, self.lm_head, None, packed).to(self.logits_dtype)
         # Each rank refined its own rows' best: the overall best are among them.
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
@@ -346,7 +388,7 @@ class CausalLM(nn.Module):
             (self.lm_head, None, self.lm_head_packed),
         ]
         counts = set(range(1, max_rows + 1))
-        if self.dtype == torch.bfloat16 and max_rows > 0:
+        if self._packed_in(torch.bfloat16) and max_rows > 0:
             top = min(-(-max_rows // BF16_ROW_ALIGN) * BF16_ROW_ALIGN, BF16_PIECES[-1])
             counts = {*range(BF16_ROW_ALIGN, top + 1, BF16_ROW_ALIGN), *BF16_PIECES}
         calls = 0
@@ -396,11 +438,11 @@ class CausalLM(nn.Module):
     def prepack(self) -> None:
         """(Re)builds the oneDNN copies of the weights where supported (float32 on a CPU);
         `load_weights` calls it. Call it again after changing weights in place."""
-        enable = prepack_supported(self.dtype, self.embed.device)
+        dtype = pack_dtype(self.dtype, self.embed.device)
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.prepack(enable)
-        self.lm_head_packed = _pack(self.lm_head) if enable else None
+            layer.prepack(dtype)
+        self.lm_head_packed = _pack(self.lm_head, dtype) if dtype else None
 
 
 def _fetch(get: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
