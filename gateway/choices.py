@@ -8,7 +8,6 @@ Choice index = prompt index * n + i, as OpenAI numbers them.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -17,15 +16,13 @@ import grpc
 from gateway.errors import APIError, bad_request, from_grpc
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import Constraint, SamplingFields
-from gateway.upstream import Upstream
+from gateway.upstream import Inbox, Stalled, Upstream
 from pagedserve.log import get_logger
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 
 log = get_logger(__name__)
 
-# Messages a request's choices may hold here for a client that reads slower than they come.
-STREAM_BUFFER_MESSAGES = 256
 # A client that takes nothing for this long while messages wait has its request aborted.
 STREAM_STALL_TIMEOUT_S = 60.0
 
@@ -161,75 +158,64 @@ async def stream_choices(
     model_name: str,
     retry_after_s: int,
     stall_timeout_s: float = STREAM_STALL_TIMEOUT_S,
-) -> AsyncGenerator[ChoiceEvent, None]:
-    """Runs every choice's Generate call at once and yields their messages as they arrive.
+) -> AsyncGenerator[list[ChoiceEvent], None]:
+    """Runs every choice's Generate call at once and yields their messages as they arrive:
+    what came in one engine step as one list.
 
-    The first upstream error is raised (as an APIError) after cancelling the other calls;
-    closing or cancelling the iterator cancels every call still running, which makes the
-    control plane free their blocks at once.
+    The first upstream error is raised (as an APIError) after what came before it, and the other
+    calls are cancelled; closing or cancelling the iterator cancels every call still running,
+    which makes the control plane free their blocks at once.
 
-    Backpressure: at most STREAM_BUFFER_MESSAGES messages wait here for a client that reads
-    slower than the engine writes; beyond that the request's buffer on the upstream call
-    merges what it generates meanwhile into as few messages as the client takes (`upstream`).
-    A client that takes nothing for stall_timeout_s has its calls cancelled (their KV blocks
-    freed), logged as `stream_stalled`; what was buffered goes out should it read again, then
-    an error event.
+    Backpressure: messages wait in the request's `Inbox` for a client that reads slower than the
+    engine writes, merged past MERGE_AFTER into as few as the client takes. A client that takes
+    nothing for stall_timeout_s has its calls cancelled (their KV blocks freed), logged as
+    `stream_stalled`; what was waiting goes out should it read again, then an error event.
     """
-    queue: asyncio.Queue[ChoiceEvent | APIError | None] = asyncio.Queue(STREAM_BUFFER_MESSAGES)
-    stalled: list[APIError] = []
+    timers = [
+        metrics.timer(model_name, c.request.output_kind == pb.OUTPUT_KIND_FINAL_ONLY)
+        for c in choices
+    ]
+    inbox = Inbox(stall_timeout_s, lambda slot, msg: timers[slot].on_message(msg))
+    streams = [upstream.generate(c.request, inbox, slot) for slot, c in enumerate(choices)]
 
-    async def put(item: ChoiceEvent | APIError | None) -> None:
-        if not queue.full():  # the common case: no timer, no task
-            queue.put_nowait(item)
-            return
-        try:
-            await asyncio.wait_for(queue.put(item), stall_timeout_s)
-        except TimeoutError:
-            if not stalled:
-                log.warning("stream_stalled", stall_timeout_s=stall_timeout_s)
-                stalled.append(
-                    APIError(
+    def stall() -> None:
+        log.warning(
+            "stream_stalled",
+            stall_timeout_s=stall_timeout_s,
+            upstream_ids=[c.request.request_id for c in choices],
+        )
+        for s in streams:
+            s.cancel()
+
+    inbox.on_stall = stall
+    try:
+        for s in streams:
+            await s.open()
+        remaining = len(streams)
+        while remaining:
+            batch: list[ChoiceEvent] = []
+            failure: APIError | None = None
+            for slot, item in await inbox.take():
+                if isinstance(item, pb.GenerateResponse):
+                    batch.append(ChoiceEvent(choices[slot].first_index + item.index, item))
+                    remaining -= item.last
+                    continue
+                if isinstance(item, Stalled):
+                    failure = APIError(
                         408,
                         f"the client read nothing for {stall_timeout_s:g} s; the request was "
                         "aborted",
                         type="timeout_error",
                     )
-                )
-            for t in tasks:
-                t.cancel()
-
-    async def pump(choice: Choice) -> None:
-        call = upstream.generate(choice.request)
-        final_only = choice.request.output_kind == pb.OUTPUT_KIND_FINAL_ONLY
-        timer = metrics.timer(model_name, final_only)
-        try:
-            async for msg in call:
-                timer.on_message(msg)
-                await put(ChoiceEvent(choice.first_index + msg.index, msg))
-            await put(None)
-        except grpc.aio.AioRpcError as exc:
-            await put(from_grpc(exc, retry_after_s))
-        except Exception as exc:  # a bug here must reach the client as a 500, not a hang
-            log.exception("choice_failed", error=f"{type(exc).__name__}: {exc}")
-            await put(APIError(500, "internal error", type="server_error"))
-        finally:
-            call.cancel()
-
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            if stalled and queue.empty():
-                raise stalled[0]
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, APIError):
-                raise item
-            else:
-                yield item
+                else:
+                    failure = from_grpc(item, retry_after_s)
+                break
+            if batch:
+                yield batch
+            if failure is not None:
+                raise failure
+    except grpc.aio.AioRpcError as exc:  # a call that could not be sent
+        raise from_grpc(exc, retry_after_s) from None
     finally:
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
+        for s in streams:
+            s.cancel()

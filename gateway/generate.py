@@ -60,7 +60,7 @@ def sse(data: dict[str, Any]) -> str:
 
 async def respond(
     request: Request,
-    events: AsyncGenerator[ChoiceEvent, None],
+    events: AsyncGenerator[list[ChoiceEvent], None],
     choices: list[Choice],
     fmt: Format,
     n: int,
@@ -92,31 +92,37 @@ async def respond(
 
 
 async def _collect(
-    events: AsyncGenerator[ChoiceEvent, None], states: dict[int, ChoiceState]
+    events: AsyncGenerator[list[ChoiceEvent], None], states: dict[int, ChoiceState]
 ) -> None:
-    async for ev in events:
-        states[ev.index].add(ev)
+    async for batch in events:
+        for ev in batch:
+            states[ev.index].add(ev)
 
 
 async def _sse_body(
-    first: ChoiceEvent,
-    events: AsyncGenerator[ChoiceEvent, None],
+    first: list[ChoiceEvent],
+    events: AsyncGenerator[list[ChoiceEvent], None],
     states: dict[int, ChoiceState],
     fmt: Format,
     n: int,
     include_usage: bool,
     indices: list[int],
 ) -> AsyncIterator[str]:
+    """One write per engine step: the events of all the request's completions that came in it
+    (the head chunks go with the first)."""
     try:
-        for chunk in fmt.head(indices):
-            yield sse(chunk)
-        ev: ChoiceEvent | None = first
-        while ev is not None:
-            states[ev.index].add(ev)
-            data = fmt.chunk(ev)
-            if data is not None:
-                yield sse(data)
-            ev = await anext(events, None)
+        parts = [sse(chunk) for chunk in fmt.head(indices)]
+        batch: list[ChoiceEvent] | None = first
+        while batch is not None:
+            for ev in batch:
+                states[ev.index].add(ev)
+                data = fmt.chunk(ev)
+                if data is not None:
+                    parts.append(sse(data))
+            if parts:
+                yield "".join(parts)
+                parts = []
+            batch = await anext(events, None)
         if include_usage:
             yield sse(fmt.usage_chunk(usage(states, n)))
     except APIError as err:

@@ -172,6 +172,7 @@ class RequestTimer:
         self.final_only = final_only
         self.start = time.monotonic()
         self.last: float | None = None
+        self._itl: Histogram | None = None  # the histogram's child for the model, looked up once
 
     def on_message(self, msg: pb.GenerateResponse) -> None:
         now = time.monotonic()
@@ -183,7 +184,9 @@ class RequestTimer:
             if self.last is None:
                 self.m.ttft.labels(self.model_name).observe(now - self.start)
             else:
-                self.m.itl.labels(self.model_name).observe(now - self.last)
+                if self._itl is None:
+                    self._itl = self.m.itl.labels(self.model_name)
+                self._itl.observe(now - self.last)
             self.last = now
         if msg.finish_reason:
             name = self.model_name

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -55,58 +55,115 @@ def unavailable(details: str) -> grpc.aio.AioRpcError:
     return rpc_error(grpc.StatusCode.UNAVAILABLE, details)
 
 
-# A request's messages are kept one per engine step while its client keeps up; past this many
-# waiting (a client reading slower than the engine steps), each new one is merged into the last.
+# An HTTP request's messages wait one per engine step while its client keeps up; past this many
+# waiting (a client reading slower than the engine steps), each new one is merged into the last
+# one of its completion still waiting.
 MERGE_AFTER = 64
 
 
-class GenerateStream:
-    """One request on the upstream's GenerateMany call: iterate for its messages (a control
-    plane that stays unreachable, or refuses the request, raises the status Generate would
-    fail with), cancel to abort it upstream."""
+class Stalled(Exception):
+    """The client took nothing for the stall timeout while messages waited for it."""
 
-    def __init__(self, upstream: Upstream, request: pb.GenerateRequest) -> None:
+
+class Inbox:
+    """Where the messages of one HTTP request's upstream calls wait for its response to take
+    them, each under its call's slot. The response wakes once per engine step and takes what
+    all its calls delivered in it (`take`), however many completions they carry.
+
+    A client that takes nothing for `stall_timeout_s` while messages wait is stalled: the next
+    message to come finds it so, `on_stall` runs (the owner aborts the calls upstream, which
+    frees their KV blocks) and, after what is waiting, `take` yields a `Stalled`. Messages for
+    every completion come every step while its calls run, so the stall is seen within a step
+    of the timeout."""
+
+    def __init__(
+        self, stall_timeout_s: float, on_message: Callable[[int, pb.GenerateResponse], None]
+    ) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        self.on_message = on_message  # called as each message comes (the gateway's timers)
+        self.on_stall: Callable[[], None] = lambda: None
+        self._loop = asyncio.get_running_loop()
+        self._pending: deque[tuple[int, pb.GenerateResponse | grpc.aio.AioRpcError | Stalled]] = (
+            deque()
+        )
+        self._newest: dict[tuple[int, int], pb.GenerateResponse] = {}  # (slot, index) -> waiting
+        self._waiting_since = 0.0  # when the oldest message now waiting came
+        self._waiter: asyncio.Future[None] | None = None
+        self.stalled = False
+
+    def put(self, slot: int, item: pb.GenerateResponse | grpc.aio.AioRpcError) -> None:
+        if self.stalled:  # its calls are aborted: nothing more goes out but the stall
+            return
+        pending = self._pending
+        if isinstance(item, pb.GenerateResponse):
+            self.on_message(slot, item)
+            key = (slot, item.index)
+            if len(pending) >= MERGE_AFTER:
+                newest = self._newest.get(key)
+                if newest is not None:
+                    _append(newest, item)
+                    self._check_stall()
+                    return
+            self._newest[key] = item
+        if not pending:
+            self._waiting_since = self._loop.time()
+        pending.append((slot, item))
+        self._check_stall()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _check_stall(self) -> None:
+        if self.stalled or self._loop.time() - self._waiting_since < self.stall_timeout_s:
+            return
+        self.stalled = True
+        self.on_stall()
+        self._pending.append((-1, Stalled()))
+
+    async def take(self) -> list[tuple[int, pb.GenerateResponse | grpc.aio.AioRpcError | Stalled]]:
+        """What waits, in the order it came; waits for something first."""
+        while not self._pending:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self._pending)
+        self._pending.clear()
+        self._newest.clear()
+        return items
+
+
+class GenerateStream:
+    """One request on the upstream's GenerateMany call: `open` sends it; its messages, or the
+    status a refused or broken call fails with, go to `inbox` under `slot`, the call's last
+    message (`last`) or a status ending it; `cancel` aborts it upstream."""
+
+    def __init__(
+        self, upstream: Upstream, request: pb.GenerateRequest, inbox: Inbox, slot: int
+    ) -> None:
         self._upstream = upstream
         self._request = request
+        self._inbox = inbox
+        self._slot = slot
         self._call: _ManyCall | None = None
-        self._pending: deque[pb.GenerateResponse | grpc.aio.AioRpcError] = deque()
-        self._ready = asyncio.Event()
         self._cancelled = False
         self._ended = False
 
-    def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
-        return self._messages()
-
-    async def _messages(self) -> AsyncIterator[pb.GenerateResponse]:
+    async def open(self) -> None:
+        """Sends the request; raises the status of a control plane that stays unreachable, or
+        INVALID_ARGUMENT for a request id in use."""
         await self._upstream.connected()
         if self._cancelled:
             return
         call = self._upstream.many_call()
-        call.start(self._request, self)  # raises INVALID_ARGUMENT for an id in use
+        call.start(self._request, self)
         self._call = call
-        pending = self._pending
-        while True:
-            while not pending:
-                self._ready.clear()
-                await self._ready.wait()
-            item = pending.popleft()
-            if isinstance(item, grpc.aio.AioRpcError):
-                self._ended = True
-                raise item
-            yield item
-            if item.last:
-                self._ended = True
-                return
 
     def deliver(self, item: pb.GenerateResponse | grpc.aio.AioRpcError) -> None:
-        pending = self._pending
-        if len(pending) >= MERGE_AFTER and isinstance(item, pb.GenerateResponse):
-            prev = pending[-1]
-            if isinstance(prev, pb.GenerateResponse) and prev.index == item.index:
-                _append(prev, item)
-                return
-        pending.append(item)
-        self._ready.set()
+        if isinstance(item, grpc.aio.AioRpcError) or item.last:
+            self._ended = True
+        self._inbox.put(self._slot, item)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -244,10 +301,10 @@ class Upstream:
         except TimeoutError:
             raise unavailable(f"no connection to {self.address}") from None
 
-    def generate(self, request: pb.GenerateRequest) -> GenerateStream:
-        """The messages of one request (its request_id set, unique among those running);
-        cancelling the stream aborts it upstream."""
-        return GenerateStream(self, request)
+    def generate(self, request: pb.GenerateRequest, inbox: Inbox, slot: int) -> GenerateStream:
+        """One request (its request_id set, unique among those running), its messages for
+        `inbox` under `slot`; cancelling the stream aborts it upstream."""
+        return GenerateStream(self, request, inbox, slot)
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         await self.connected()

