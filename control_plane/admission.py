@@ -82,7 +82,11 @@ def queue_delay(
     for tokens in in_flight_tokens:
         wait += fixed + per_token * tokens
     wait = max(0.0, wait)
-    budget = max(1, config.max_num_batched_tokens - backlog.rows)
+    budget = config.max_num_batched_tokens - backlog.rows
+    cap = config.max_prefill_tokens_with_decodes
+    if backlog.rows and cap is not None:  # prompts share what decodes leave, up to the cap
+        budget = min(budget, cap)
+    budget = max(1, budget)
     work = backlog.prefill_tokens + prompt_tokens
     steps = -(-work // budget)
     shared = steps * fixed + per_token * (steps * backlog.rows + work)

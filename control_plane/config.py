@@ -24,6 +24,8 @@ class ControlPlaneConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int | None = None
+    # The prompt tokens of a step that also carries decodes (SchedulerConfig); None: no cap.
+    max_prefill_tokens_with_decodes: int | None = 1024
     preemption: Literal["recompute", "swap"] = "recompute"
     max_waiting: int | None = None  # None: as many as the healthy workers' pools hold
     # A request expected to wait longer than this for its first token because of the others
@@ -55,6 +57,9 @@ class ControlPlaneConfig:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None and cap < 1:
+            raise ValueError("max_prefill_tokens_with_decodes must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 1:
             # 0 would refuse every request: admission comes before a request can run.
             raise ValueError("max_waiting must be >= 1 (or auto)")

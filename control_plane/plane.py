@@ -162,6 +162,7 @@ class ControlPlane:
             preemption_mode=self.config.preemption,
             eos_token_ids=tuple(info.eos_token_ids),
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
+            max_prefill_tokens_with_decodes=self.config.max_prefill_tokens_with_decodes,
         )
         loop = EngineLoop(
             client,

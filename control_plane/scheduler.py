@@ -6,7 +6,9 @@ worker executes it, `update(plan, result)` applies the `StepResult`. One step, i
     1. running requests, oldest first: each gets min(tokens left, budget left, long-prefill
        threshold) tokens and the blocks to hold them (copy-on-write for shared blocks it
        writes into). Out of blocks → preempt the newest running request (possibly the one
-       being scheduled) by recompute or swap, and retry.
+       being scheduled) by recompute or swap, and retry. Where a running request decodes in
+       the step, the chunks of more than one token (prompts, recomputation) share at most
+       max_prefill_tokens_with_decodes of the budget, here and in steps 2 and 3.
     2. swapped requests, oldest first, only if step 1 preempted nothing: swap in + schedule.
     3. waiting requests, FIFO, only if nothing was preempted and nothing is left swapped; the
        first that does not fit ends admission (no overtaking). An admitted request starts
@@ -70,7 +72,11 @@ PreemptionMode = Literal["recompute", "swap"]
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one scheduler. long_prefill_token_threshold caps the tokens any one request
-    gets per step (None: only the budget caps them), so that long prompts interleave."""
+    gets per step (None: only the budget caps them), so that long prompts interleave.
+    max_prefill_tokens_with_decodes caps the prompt tokens of a step that also carries
+    decodes (None: only the budget caps them): a step's length is every running stream's gap
+    between two tokens, and the prompt chunks make most of it, while a step with no decode
+    in it still takes the whole budget for the first tokens."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -78,6 +84,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     eos_token_ids: tuple[int, ...] = ()
     long_prefill_token_threshold: int | None = None
+    max_prefill_tokens_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -91,9 +98,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"eos_token_ids must be a tuple of ids >= 0, got {self.eos_token_ids!r}"
             )
-        threshold = self.long_prefill_token_threshold
-        if threshold is not None and threshold < 1:
-            raise ValueError(f"long_prefill_token_threshold must be >= 1 or None, got {threshold}")
+        for name in ("long_prefill_token_threshold", "max_prefill_tokens_with_decodes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
 
 
 @dataclass(slots=True)
@@ -175,6 +183,7 @@ MAX_PLANS_AWAITING_UPDATE = 1
 @dataclass
 class _StepBudget:
     tokens: int
+    prompt: int  # of `tokens`, what chunks of more than one token may still take
     chunked: bool = False
     preempted: bool = False
 
@@ -314,7 +323,11 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id, finished_req_ids=self._finished_to_drop)
         self._next_step_id += 1
         self._finished_to_drop = []
-        budget = _StepBudget(tokens=self.config.max_num_batched_tokens)
+        tokens = self.config.max_num_batched_tokens
+        budget = _StepBudget(tokens=tokens, prompt=tokens)
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap is not None and cap < tokens and self._any_decoding():
+            budget.prompt = cap
         self._schedule_running(plan, budget)
         if not budget.preempted:
             self._schedule_swapped(plan, budget)
@@ -366,6 +379,11 @@ class Scheduler:
             return left
         return 0
 
+    def _any_decoding(self) -> bool:
+        """Whether a running request computes its one next token in the step being made (the
+        oldest running one, most often)."""
+        return any(self._tokens_left(r) == 1 for r in self.running)
+
     def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
         hold = self._hold_beam_steps()
         i = 0
@@ -377,7 +395,7 @@ class Scheduler:
                 i += len(req.beam.beams)
                 continue
             left = self._tokens_left(req)
-            if left <= 0:
+            if left <= 0 or (left > 1 and budget.prompt <= 0):
                 i += 1
                 continue
             num_new = self._cap(left, budget)
@@ -600,7 +618,12 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, budget: _StepBudget) -> None:
         bm = self.block_manager
-        while self.waiting and budget.tokens > 0 and self._has_seats_for(self.waiting[0]):
+        while (
+            self.waiting
+            and budget.tokens > 0
+            and budget.prompt > 0
+            and self._has_seats_for(self.waiting[0])
+        ):
             req = self.waiting[0]
             if req.beam is not None:
                 if not self._admit_group(plan, budget, req.beam):
@@ -652,7 +675,11 @@ class Scheduler:
         return self._cap(left, budget)
 
     def _cap(self, num_tokens: int, budget: _StepBudget) -> int:
+        """Tokens a request with num_tokens to compute gets: a chunk of more than one token
+        within the prompt budget too (at least one token while that has any left)."""
         num_new = num_tokens if num_tokens < budget.tokens else budget.tokens
+        if num_new > 1 and num_new > budget.prompt:
+            num_new = max(1, budget.prompt)
         cap = self.config.long_prefill_token_threshold
         return num_new if cap is None or num_new <= cap else cap
 
@@ -704,6 +731,8 @@ class Scheduler:
                 )
         plan.num_scheduled_tokens[req.req_id] = num_new
         budget.tokens -= num_new
+        if num_new > 1:
+            budget.prompt -= num_new
         if chunked is None:
             chunked = req.num_computed_tokens + num_new < req.num_tokens_to_compute
         budget.chunked |= chunked

@@ -200,6 +200,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
+            max_prefill_tokens_with_decodes=a.max_prefill_tokens_with_decodes,
             preemption=a.preemption,
             max_waiting=a.max_waiting,
             max_queue_delay_s=a.max_queue_delay,
@@ -381,6 +382,14 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="chunk any prefill longer than this many tokens per step",
+    )
+    _flag(
+        p,
+        "--max-prefill-tokens-with-decodes",
+        type=int,
+        default=1024,
+        help="prompt tokens of a step that also carries decodes (a streamed token's longest "
+        "gap); a step without decodes takes --max-num-batched-tokens (as large: no cap)",
     )
     _flag(p, "--preemption", choices=["recompute", "swap"], default="recompute")
     _flag(

@@ -209,6 +209,7 @@ SCHEDULER_FLAGS = [
     "max-num-seqs",
     "max-num-batched-tokens",
     "long-prefill-token-threshold",
+    "max-prefill-tokens-with-decodes",
     "preemption",
     "max-waiting",
     "max-queue-delay",

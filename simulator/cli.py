@@ -71,6 +71,7 @@ def register_simulate(sub: Any) -> None:
     eng.add_argument("--swap-space-gib", type=float, default=4.0)
     eng.add_argument("--max-num-seqs", type=int, default=256)
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--max-prefill-tokens-with-decodes", type=int, default=1024)
     eng.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     eng.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
     eng.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
@@ -178,6 +179,7 @@ def run_sweep(a: argparse.Namespace) -> dict[str, Any]:
                     swap_space_bytes=a.swap_space_gib * GIB,
                     max_num_seqs=a.max_num_seqs,
                     max_num_batched_tokens=a.max_num_batched_tokens,
+                    max_prefill_tokens_with_decodes=a.max_prefill_tokens_with_decodes,
                     max_model_len=max_len,
                     preemption=a.preemption,
                     allocation=allocation,

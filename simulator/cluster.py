@@ -247,6 +247,7 @@ class Simulation:
             preemption_mode=c.preemption,
             eos_token_ids=(EOS,),
             long_prefill_token_threshold=c.long_prefill_token_threshold,
+            max_prefill_tokens_with_decodes=c.max_prefill_tokens_with_decodes,
         )
         return Scheduler(cfg, bm)
 

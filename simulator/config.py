@@ -23,6 +23,7 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's
     long_prefill_token_threshold: int | None = None
+    max_prefill_tokens_with_decodes: int | None = 1024  # as the control plane's default
     preemption: Preemption = "recompute"
     allocation: Allocation = "paged"
     routing: Routing = "kv-aware"

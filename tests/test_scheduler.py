@@ -262,6 +262,39 @@ def test_long_prefill_threshold_interleaves_with_decodes() -> None:
     assert sched.get_request("long") is None  # finished: one token after the last chunk
 
 
+def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_is_not() -> None:
+    sched, worker = make(
+        num_gpu_blocks=40, max_num_batched_tokens=12, max_prefill_tokens_with_decodes=5
+    )
+    sched.add_request(request("a", 8, max_tokens=10))
+    sched.add_request(request("b", 6, max_tokens=10))
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens == {"a": 8, "b": 4}  # no decode yet: the whole budget
+    sched.add_request(request("c", 9, max_tokens=10))
+    plans = [step(sched, worker)[0].num_scheduled_tokens for _ in range(4)]
+    assert plans == [
+        {"a": 1, "b": 2, "c": 3},  # b's chunk and c's share the 5 beside a's decode
+        {"a": 1, "b": 1, "c": 5},
+        {"a": 1, "b": 1, "c": 1},
+        {"a": 1, "b": 1, "c": 1},
+    ]
+    stats = sched.stats()
+    assert stats.num_chunked_prefill_steps == 3
+
+
+def test_prompt_cap_keeps_outputs_and_lets_a_chunk_of_one_through() -> None:
+    sched, worker = make(
+        num_gpu_blocks=64, max_num_batched_tokens=16, max_prefill_tokens_with_decodes=1
+    )
+    reqs = [request(name, p, m) for name, p, m in WORKLOAD]
+    for r in reqs:
+        sched.add_request(r)
+    streamed = run_all(sched, worker)
+    for r in reqs:
+        expected = reference_output(r.prompt_token_ids, r.sampling.max_tokens)
+        assert streamed[r.req_id] == expected, r.req_id
+
+
 def test_max_num_seqs_and_no_overtaking() -> None:
     sched, worker = make(num_gpu_blocks=4, block_size=4, max_num_seqs=3)
     sched.add_request(request("a", 8))  # 2 blocks (+1 later)
@@ -632,6 +665,7 @@ def test_add_request_rejects_what_can_never_finish() -> None:
         {"eos_token_ids": [2]},
         {"eos_token_ids": (-1,)},
         {"long_prefill_token_threshold": 0},
+        {"max_prefill_tokens_with_decodes": 0},
     ],
 )
 def test_config_validation(bad: dict[str, object]) -> None:
