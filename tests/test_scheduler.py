@@ -282,19 +282,6 @@ def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_is_n
     assert stats.num_chunked_prefill_steps == 3
 
 
-def test_prompt_cap_keeps_outputs_and_lets_a_chunk_of_one_through() -> None:
-    sched, worker = make(
-        num_gpu_blocks=64, max_num_batched_tokens=16, max_prefill_tokens_with_decodes=1
-    )
-    reqs = [request(name, p, m) for name, p, m in WORKLOAD]
-    for r in reqs:
-        sched.add_request(r)
-    streamed = run_all(sched, worker)
-    for r in reqs:
-        expected = reference_output(r.prompt_token_ids, r.sampling.max_tokens)
-        assert streamed[r.req_id] == expected, r.req_id
-
-
 def test_max_num_seqs_and_no_overtaking() -> None:
     sched, worker = make(num_gpu_blocks=4, block_size=4, max_num_seqs=3)
     sched.add_request(request("a", 8))  # 2 blocks (+1 later)
@@ -469,8 +456,15 @@ WORKLOAD = [("r0", 7, 12), ("r1", 3, 20), ("r2", 16, 5), ("r3", 1, 15), ("r4", 9
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize(
-    ("num_gpu_blocks", "block_size", "budget", "threshold", "max_num_seqs"),
-    [(100, 4, 512, None, 64), (10, 4, 16, None, 64), (7, 4, 8, 3, 3), (13, 2, 6, 4, 4)],
+    ("num_gpu_blocks", "block_size", "budget", "threshold", "max_num_seqs", "prompt_cap"),
+    [
+        (100, 4, 512, None, 64, None),
+        (10, 4, 16, None, 64, None),
+        (7, 4, 8, 3, 3, None),
+        (13, 2, 6, 4, 4, None),
+        (100, 4, 16, None, 64, 1),  # chunks beside decodes one token at a time
+        (10, 4, 16, None, 64, 5),
+    ],
 )
 def test_outputs_match_an_unconstrained_run(
     prefix_caching: bool,
@@ -480,6 +474,7 @@ def test_outputs_match_an_unconstrained_run(
     budget: int,
     threshold: int | None,
     max_num_seqs: int,
+    prompt_cap: int | None,
 ) -> None:
     sched, worker = make(
         num_gpu_blocks,
@@ -490,6 +485,7 @@ def test_outputs_match_an_unconstrained_run(
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold,
         max_num_seqs=max_num_seqs,
+        max_prefill_tokens_with_decodes=prompt_cap,
     )
     reqs = [request(name, p, m) for name, p, m in WORKLOAD]
     for r in reqs:
