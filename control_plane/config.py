@@ -15,6 +15,11 @@ DEFAULT_MAX_REQUEST_TOKENS = 1 << 18
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20
 
 
+# The prompt tokens of a step that also carries decodes (SchedulerConfig), unless set: the
+# control plane's and the simulator's default.
+DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES = 1024
+
+
 @dataclass(frozen=True)
 class ControlPlaneConfig:
     workers: tuple[str, ...]
@@ -24,8 +29,8 @@ class ControlPlaneConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int | None = None
-    # The prompt tokens of a step that also carries decodes (SchedulerConfig); None: no cap.
-    max_prefill_tokens_with_decodes: int | None = 1024
+    # None: no cap.
+    max_prefill_tokens_with_decodes: int | None = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES
     preemption: Literal["recompute", "swap"] = "recompute"
     max_waiting: int | None = None  # None: as many as the healthy workers' pools hold
     # A request expected to wait longer than this for its first token because of the others

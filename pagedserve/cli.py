@@ -374,6 +374,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _scheduler_flags(p: argparse.ArgumentParser) -> None:
+    from control_plane.config import DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES
+
     _flag(p, "--max-num-seqs", type=int, default=256, help="sequences per step")
     _flag(p, "--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     _flag(
@@ -387,7 +389,7 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         p,
         "--max-prefill-tokens-with-decodes",
         type=int,
-        default=1024,
+        default=DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES,
         help="prompt tokens of a step that also carries decodes (a streamed token's longest "
         "gap); a step without decodes takes --max-num-batched-tokens (as large: no cap)",
     )

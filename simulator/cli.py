@@ -71,7 +71,11 @@ def register_simulate(sub: Any) -> None:
     eng.add_argument("--swap-space-gib", type=float, default=4.0)
     eng.add_argument("--max-num-seqs", type=int, default=256)
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    eng.add_argument("--max-prefill-tokens-with-decodes", type=int, default=1024)
+    eng.add_argument(
+        "--max-prefill-tokens-with-decodes",
+        type=int,
+        default=SimConfig.max_prefill_tokens_with_decodes,
+    )
     eng.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     eng.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
     eng.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from control_plane.config import DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES
+
 Allocation = Literal["paged", "orca-max", "orca-pow2", "orca-oracle"]
 Routing = Literal["kv-aware", "least-loaded", "round-robin"]
 Preemption = Literal["recompute", "swap"]
@@ -23,7 +25,7 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's
     long_prefill_token_threshold: int | None = None
-    max_prefill_tokens_with_decodes: int | None = 1024  # as the control plane's default
+    max_prefill_tokens_with_decodes: int | None = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES
     preemption: Preemption = "recompute"
     allocation: Allocation = "paged"
     routing: Routing = "kv-aware"
