@@ -106,6 +106,35 @@ static inline void store_bf16x16(uint16_t *p, v16 v) {
 typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int32_t i8v __attribute__((vector_size(8 * sizeof(int32_t))));
 
+/* 8-lane vectors: one AVX2 register. Kernels whose inner loops hold many vectors at once use
+ * them where the machine has no AVX-512 (`NARROW_SIMD`): sixteen 16-lane vectors take all of
+ * AVX2's sixteen registers twice over, and the compiler spills them to the stack. */
+#if !defined(__AVX512F__)
+#define NARROW_SIMD 1
+#endif
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+/* 8 bf16 values at p, widened. */
+static inline v8 load_bf16x8(const uint16_t *p) {
+    typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+    typedef uint32_t u8v __attribute__((vector_size(8 * sizeof(uint32_t))));
+    h8 h;
+    memcpy(&h, p, sizeof h);
+    const u8v w = __builtin_convertvector(h, u8v) << 16;
+    v8 v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
 static inline i16 lt16(v16 a, v16 b) {
 #if defined(__AVX512F__)
     return a < b;

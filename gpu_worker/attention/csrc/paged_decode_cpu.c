@@ -31,6 +31,11 @@
  * exp-weights and their sum over the whole context (scores stay in per-thread scratch), and
  * the weighted sum of V rows, two tokens at a time into independent accumulators.
  *
+ * Where the machine has no AVX-512 (simd16.h's NARROW_SIMD: AVX2's sixteen 8-float registers),
+ * a tile's sixteen 16-lane partial sums would fill every register twice over and live on the
+ * stack; there the scores go 8 tokens at a time in 8-lane vectors (transpose_sum8), and the V
+ * rows are summed 32 columns at a time, so that the accumulators stay in registers.
+ *
  * Vectors and bf16 conversions come from simd16.h (16-float vectors the compiler maps onto the
  * machine's SIMD; a bf16 load is one widening). Threads: OpenMP, the same libgomp torch has
  * loaded.
@@ -50,6 +55,65 @@ static inline __attribute__((always_inline)) v16 load_elems(const void *base, in
 }
 
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+#if defined(NARROW_SIMD)
+/* 8 elements at element index i of `base`, as load_elems. */
+static inline __attribute__((always_inline)) v8 load_elems8(const void *base, int64_t i,
+                                                            const int bf16) {
+    return bf16 ? load_bf16x8((const uint16_t *)base + i) : load8((const float *)base + i);
+}
+
+/* Lane t of the result = the sum of the 8 lanes of p[t], by the same transposing tree as
+ * transpose_sum16 on half the tokens. */
+static inline v8 transpose_sum8(const v8 *p) {
+    v8 a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               SHUF(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               SHUF(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUF(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* The 16 scores of one query head `qi` (scaled, float32) against a tile's K rows, 8 tokens
+ * at a time: 8 partial-sum vectors and the query stay in registers. */
+static inline __attribute__((always_inline)) void tile_scores8(float *dst, const float *qi,
+                                                               const void *k_cache, int64_t ki,
+                                                               const int64_t *off, const int D,
+                                                               const int bf16) {
+    for (int h = 0; h < TILE; h += 8) {
+        v8 p[8];
+        for (int t = 0; t < 8; t++) {
+            const int64_t kt = ki + off[h + t];
+            v8 x = load8(qi) * load_elems8(k_cache, kt, bf16);
+            for (int c = 8; c < D; c += 8)
+                x += load8(qi + c) * load_elems8(k_cache, kt + c, bf16);
+            p[t] = x;
+        }
+        store8(dst + h, transpose_sum8(p));
+    }
+}
+
+/* acc[0 .. 8n) += the tile's V rows (columns from vi, n <= 4 vectors of 8) weighted by w:
+ * two tokens at a time into independent accumulators, 2n of them. */
+static inline __attribute__((always_inline)) void tile_values8(float *acc, const float *w,
+                                                               const void *v_cache, int64_t vi,
+                                                               const int64_t *off, const int n,
+                                                               const int bf16) {
+    v8 a0[4], a1[4];
+    for (int c = 0; c < n; c++) a0[c] = a1[c] = splat8(0.f);
+    for (int t = 0; t < TILE; t += 2) {
+        const int64_t v0 = vi + off[t], v1 = vi + off[t + 1];
+        const v8 w0 = splat8(w[t]), w1 = splat8(w[t + 1]);
+        for (int c = 0; c < n; c++) {
+            a0[c] += w0 * load_elems8(v_cache, v0 + 8 * c, bf16);
+            a1[c] += w1 * load_elems8(v_cache, v1 + 8 * c, bf16);
+        }
+    }
+    for (int c = 0; c < n; c++) store8(acc + 8 * c, load8(acc + 8 * c) + a0[c] + a1[c]);
+}
+#endif
 
 /* Lane t of the result = the sum of the 16 lanes of p[t]. Each level adds the two halves of
  * every token's lanes, packing twice as many tokens per vector: pairs of vectors hold tokens
@@ -112,13 +176,21 @@ static inline int advance_tile(int64_t *next, const int32_t *table, int j0, int 
     return 1;
 }
 
-/* Share x of `parts` of prefetch_tile's work (the tile's cache lines, split evenly). Issued
- * one share per head while the current tile is computed, the requests reach memory at an even
- * pace. Measured on SmolLM2's shapes (192 lines a float32 tile) with the pool in DRAM: one
- * burst per tile was no faster than no prefetch at all; spread, the kernel takes 1.3x less
- * time, and no more with the pool in cache. */
+/* Share x of `parts` of prefetch_tile's work: the tile's rows split evenly (its lines, where
+ * there are more parts than rows). Issued one share per head while the current tile is
+ * computed, the requests reach memory at an even pace. Measured on SmolLM2's shapes (192 lines
+ * a float32 tile) with the pool in DRAM: one burst per tile was no faster than no prefetch at
+ * all; spread, the kernel takes 1.3x less time, and no more with the pool in cache. */
 static inline void prefetch_share(const char *base, const int64_t *off, int bytes, int esize,
                                   int x, int parts) {
+    if (parts <= TILE) { /* whole rows: no index arithmetic per line */
+        const int t1 = (x + 1) * TILE / parts;
+        for (int t = x * TILE / parts; t < t1; t++) {
+            const char *row = base + off[t] * esize;
+            for (int c = 0; c < bytes; c += LINE) __builtin_prefetch(row + c, 0, 2);
+        }
+        return;
+    }
     const int per_row = (bytes + LINE - 1) / LINE, total = TILE * per_row;
     const int per = (total + parts - 1) / parts;
     const int end = (x + 1) * per < total ? (x + 1) * per : total;
@@ -157,6 +229,9 @@ static inline __attribute__((always_inline)) void decode_heads(
             if (more) prefetch_share(kp, tiles[cur ^ 1], bytes, esize, i, nh);
             const float *qi = qbuf + (int64_t)i * D;
             const int64_t ki = kv0 + (int64_t)(i / rep) * D;
+#if defined(NARROW_SIMD)
+            tile_scores8(scores + (int64_t)i * stride + j0, qi, k_cache, ki, off, D, bf16);
+#else
             v16 p[TILE];
 #if defined(__AVX512BF16__)
             if (bf16 && D % 32 == 0) {
@@ -184,6 +259,7 @@ static inline __attribute__((always_inline)) void decode_heads(
                 p[t] = x;
             }
             store16(scores + (int64_t)i * stride + j0, transpose_sum16(p));
+#endif
         }
     }
 
@@ -203,6 +279,10 @@ static inline __attribute__((always_inline)) void decode_heads(
             const float *w = scores + (int64_t)i * stride + j0;
             const int64_t vi = kv0 + (int64_t)(i / rep) * D;
             float *ai = acc + (int64_t)i * D;
+#if defined(NARROW_SIMD)
+            for (int c = 0; c < D; c += 32) /* D is a multiple of 16 */
+                tile_values8(ai + c, w, v_cache, vi + c, off, D - c >= 32 ? 4 : 2, bf16);
+#else
             v16 a0[MAX_HEAD_DIM / TILE], a1[MAX_HEAD_DIM / TILE];
             for (int c = 0; c < C; c++) a0[c] = a1[c] = splat16(0.f);
             for (int t = 0; t < TILE; t += 2) {
@@ -215,6 +295,7 @@ static inline __attribute__((always_inline)) void decode_heads(
             }
             for (int c = 0; c < C; c++)
                 store16(ai + c * TILE, load16(ai + c * TILE) + a0[c] + a1[c]);
+#endif
         }
     }
     for (int i = 0; i < nh; i++)
