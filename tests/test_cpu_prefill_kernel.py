@@ -85,8 +85,7 @@ def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
     for on in (True, False):
 
         def configure(backend: TorchAttentionBackend, on: bool = on) -> None:
-            assert backend.use_prefill_kernel
-            backend.use_prefill_kernel = on
+            backend.use_prefill_kernel = on  # whatever this CPU would prefer
 
         def check(backend: TorchAttentionBackend, seqs: Step, on: bool = on) -> None:
             assert (backend._fresh_segments is not None) == on
@@ -118,3 +117,12 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_KERNEL", "0")
     assert cpu_prefill.load() is None
+    assert not cpu_prefill.preferred("avx2 avx512f fma")
+
+
+def test_preferred_where_the_cpu_has_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_CPU_PREFILL_KERNEL", raising=False)
+    assert cpu_prefill.preferred("avx2 avx512bw avx512f fma")
+    assert not cpu_prefill.preferred("avx avx2 fma")  # SDPA is faster there
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_KERNEL", "1")
+    assert cpu_prefill.preferred("avx avx2 fma")

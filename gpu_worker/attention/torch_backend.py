@@ -9,8 +9,9 @@ longest sequence (rounded up to whole blocks; the mask hides the tail).
 
 A prefill with no cached context (the whole prompt in this step) attends only to the step's
 own new K/V, so it runs causal attention straight on its slice of q, k, v: no gather, no
-padding. On a CPU in float32 or bfloat16 one call of `cpu_prefill` (a C kernel) computes every
-such prompt of the step; elsewhere each runs causal SDPA (`causal_attention`).
+padding. On a CPU with AVX-512 in float32 or bfloat16 one call of `cpu_prefill` (a C kernel)
+computes every such prompt of the step; elsewhere (and on CPUs without AVX-512, where SDPA is
+faster: `cpu_prefill.preferred`) each runs causal SDPA (`causal_attention`).
 
 On a CPU with a float32 or bfloat16 cache the decode group skips the gather: `cpu_decode` (a
 small C kernel) reads K/V in place through the block tables, one pass over each context. Other
@@ -82,7 +83,9 @@ class TorchAttentionBackend(AttentionBackend):
             and cpu_decode.supports(self.head_dim, kv.dtype)
             and cpu_decode.load() is not None
         )
-        self.use_prefill_kernel = kv.device.type == "cpu" and cpu_prefill.load() is not None
+        self.use_prefill_kernel = (
+            kv.device.type == "cpu" and cpu_prefill.preferred() and cpu_prefill.load() is not None
+        )
 
     def begin_step(self, layout: BatchLayout) -> None:
         self._slots = layout.slot_mapping
