@@ -153,7 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="ARGS",
         help="also serve `pagedserve up ARGS` (e.g. '--num-threads 1', or with leading "
-        "NAME=VALUE environment variables) in the same rounds",
+        "NAME=VALUE environment variables) in the same rounds; another checkout's code: "
+        "'PYTHONSAFEPATH=1 PYTHONPATH=DIR' (without the first, `python -m` puts the working "
+        "directory, this checkout, ahead of PYTHONPATH)",
     )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
