@@ -11,8 +11,9 @@ fresh prompts in one call. `gpu_worker.cpu_kernels` builds it (once per machine 
 The kernel is written on 16-float vectors, one AVX-512 register. On a CPU without AVX-512
 (AVX2's 8-float registers) it measured slower than SDPA from 64 tokens up (level at 32): on a
 Zen 2, float32, 1.4-2x at 64-150 tokens and 2.3-3.3x at 600-2,048 (SDPA's blocked kernel
-reaches 50-80 GFLOP/s there, this one ~20). `preferred()` says where it runs: by default where the CPU has
-AVX-512; `PAGEDSERVE_CPU_PREFILL_KERNEL=1` runs it anywhere it builds, `=0` nowhere.
+reaches 50-80 GFLOP/s there, this one ~20). `preferred()` says where it runs: by default where
+the CPU has AVX-512; `PAGEDSERVE_CPU_PREFILL_KERNEL=1` runs it anywhere it builds, `=0`
+nowhere.
 `load()` returns None, and the torch backend keeps SDPA, when the kernel is disabled or cannot
 be built here.
 """
