@@ -310,3 +310,40 @@ def test_widened_bf16_projections(
     torch.testing.assert_close(
         logits.double(), hidden.double() @ model.lm_head.double().T, rtol=1e-5, atol=1e-4
     )
+
+
+@pytest.mark.parametrize(("isa", "align"), [("amx_bf16", 16), ("avx512_bf16", 1)])
+def test_native_bf16_rows_padded_to_amx_tiles_only(
+    isa: str, align: int, make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Native bf16 products pad their rows to AMX's 16-row tiles where the CPU has AMX, and
+    not where it has AVX512-BF16 alone; `warm_up` builds exactly the row counts that then
+    reach oneDNN (each multiple of the alignment up to 128, and the 512-row piece), and a
+    padded product returns the rows it was given, equal to the unpadded one's."""
+    from gpu_worker.checkpoint import load_model
+    from gpu_worker.models import llama
+
+    if llama.pack_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16:
+        pytest.skip("this CPU has no native bf16 products")
+    monkeypatch.delenv("PAGEDSERVE_BF16_ROW_ALIGN", raising=False)
+    monkeypatch.setattr(cpu_isa, "bf16_isa", lambda features=None: isa)
+    llama.bf16_row_align.cache_clear()
+    try:
+        assert llama.bf16_row_align() == align
+        model = load_model(make_checkpoint("qwen2", num_hidden_layers=2), dtype=torch.bfloat16)
+        assert [model.row_padding(n) for n in (1, 16, 17, 40)] == (
+            [15, 0, 15, 8] if align == 16 else [0, 0, 0, 0]
+        )
+        per_projection = 8 + 1 if align == 16 else 128 + 1
+        assert model.warm_up(200) == 5 * per_projection
+        layer = model.layers[0]
+        assert isinstance(layer, llama.DecoderLayer)
+        x = torch.randn(21, layer.qkv_weight.shape[1]).to(torch.bfloat16)
+        out = llama._linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
+        assert out.shape == (21, layer.qkv_weight.shape[0])
+        monkeypatch.setenv("PAGEDSERVE_BF16_ROW_ALIGN", "16" if align == 1 else "1")
+        llama.bf16_row_align.cache_clear()
+        other = llama._linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
+        torch.testing.assert_close(out, other, rtol=2**-7, atol=1e-2)
+    finally:
+        llama.bf16_row_align.cache_clear()

@@ -37,6 +37,7 @@ CPU (to compare it with the native one).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker import cpu_isa
 from gpu_worker.models.base import AttentionFn
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.fused_ops import TorchOps, ops_for
@@ -58,15 +60,18 @@ TensorSource = Callable[[str], torch.Tensor]
 
 # The row count oneDNN lays packed weights out for; decode batches sit around it.
 PACK_BATCH_HINT = 64
-# oneDNN compiles a bf16 (AMX / AVX512-BF16) kernel for every row count it meets, 5-40 ms
-# each, and keeps 1,024 in its cache: steps whose rows vary (prefill chunks beside decodes)
-# would compile on most steps and evict one another. A bf16 product therefore runs on rows
-# padded to a multiple of BF16_ROW_ALIGN (AMX computes 16-row tiles: a 17-row product costs
-# what a 32-row one does), and one of more than BF16_PIECES[-1] rows in pieces of those sizes,
-# largest first, then the remainder: every row count it meets is one of the few that
-# `warm_up` compiles at startup. Pieces of 512 rows run within ~10% of one 2,048-row product.
-BF16_ROW_ALIGN = 16
+# oneDNN compiles a bf16 (AMX / AVX512-BF16) kernel for every row count it meets and keeps
+# 1,024 in its cache: steps whose rows vary (prefill chunks beside decodes) would compile on
+# most steps and evict one another. A bf16 product of more than BF16_PIECES[-1] rows therefore
+# runs in pieces of those sizes, largest first, then the remainder, and every row count it
+# meets is one that `warm_up` compiles at startup. Pieces of 512 rows run within ~10% of one
+# 2,048-row product. Where the CPU has AMX, the rows are also padded to a multiple of 16
+# (`bf16_row_align`): AMX multiplies 16-row tiles, so a 17-row product costs what a 32-row one
+# does, and its kernels take 5-40 ms each to compile. With AVX512-BF16 alone a product costs
+# about what its own rows do and a kernel compiles in under a millisecond, so rows are not
+# padded there (on a Zen 4, padding added 14% to the projections of decode steps of 1-64 rows).
 BF16_PIECES = (512, 128)
+AMX_ROW_ALIGN = 16
 # Logits of each row recomputed in float32 after a half-precision LM head (compute_logits):
 # more than the 20 alternatives logprobs can ask for.
 REFINE_TOP = 32
@@ -85,6 +90,15 @@ def pack_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
         widen = os.environ.get("PAGEDSERVE_BF16_WIDEN", "0") == "1"
         return torch.bfloat16 if native and not widen else torch.float32
     return torch.float32 if dtype == torch.float32 else None
+
+
+@functools.cache
+def bf16_row_align() -> int:
+    """The multiple that prepacked bf16 products' row counts are padded to: AMX_ROW_ALIGN
+    where the CPU has AMX, else 1 (PAGEDSERVE_BF16_ROW_ALIGN overrides)."""
+    if forced := os.environ.get("PAGEDSERVE_BF16_ROW_ALIGN"):
+        return max(1, int(forced))
+    return AMX_ROW_ALIGN if cpu_isa.bf16_isa() == "amx_bf16" else 1
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -109,7 +123,8 @@ def _linear(
     rows = x.shape[0]
     if x.dtype != torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    padded = -(-rows // BF16_ROW_ALIGN) * BF16_ROW_ALIGN
+    align = bf16_row_align()
+    padded = -(-rows // align) * align
     if padded != rows:
         x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
     if padded <= BF16_PIECES[-1]:
@@ -322,11 +337,11 @@ class CausalLM(nn.Module):
 
     def row_padding(self, num_tokens: int) -> int:
         """Rows added past a step's tokens (token 0 at position 0) so that the prepacked bf16
-        projections see multiples of BF16_ROW_ALIGN rows: padded once per step here rather
-        than by each projection (4 per layer). 0 on every other path."""
+        projections see multiples of `bf16_row_align()` rows: padded once per step here
+        rather than by each projection (4 per layer). 0 on every other path."""
         if not self._packed_in(torch.bfloat16):
             return 0
-        return -num_tokens % BF16_ROW_ALIGN
+        return -num_tokens % bf16_row_align()
 
     def projection_path(self) -> str:
         """How the projections multiply: `F.linear`, `onednn-float32`, `onednn-bfloat16`, or
@@ -372,7 +387,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def warm_up(self, max_rows: int) -> int:
         """Runs every distinct prepacked projection once for each row count 1..max_rows (in
-        bf16: each multiple of BF16_ROW_ALIGN up to max_rows, and each size of BF16_PIECES).
+        bf16: each multiple of `bf16_row_align()` up to max_rows and BF16_PIECES[-1], and each
+        size of BF16_PIECES).
 
         oneDNN builds (and caches) a kernel the first time a projection sees a row count;
         decode batches of every size would otherwise pay for that on their first step. Only
@@ -389,8 +405,9 @@ class CausalLM(nn.Module):
         ]
         counts = set(range(1, max_rows + 1))
         if self._packed_in(torch.bfloat16) and max_rows > 0:
-            top = min(-(-max_rows // BF16_ROW_ALIGN) * BF16_ROW_ALIGN, BF16_PIECES[-1])
-            counts = {*range(BF16_ROW_ALIGN, top + 1, BF16_ROW_ALIGN), *BF16_PIECES}
+            align = bf16_row_align()
+            top = min(-(-max_rows // align) * align, BF16_PIECES[-1])
+            counts = {*range(align, top + 1, align), *BF16_PIECES}
         calls = 0
         for weight, bias, packed in projections:
             if packed is None or not counts:
