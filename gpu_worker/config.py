@@ -27,6 +27,9 @@ def auto_dtype(device: str) -> str:
     return "bfloat16" if cpu_isa.bf16_isa() else "float32"
 
 
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV pool on CPU unless --kv-cache-memory says
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str
@@ -36,7 +39,9 @@ class WorkerConfig:
     dtype: str = "float32"  # or "auto" (auto_dtype)
     kv_cache_dtype: str = AUTO  # auto: the model's dtype
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes of KV pool on CPU
+    # Bytes of the KV pool (the whole model's blocks). None: DEFAULT_KV_CACHE_MEMORY on CPU,
+    # what gpu_memory_utilization leaves on CUDA.
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9  # fraction of device memory on CUDA
     swap_space: int = 1 << 30  # bytes of host swap pool
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
@@ -67,7 +72,7 @@ class WorkerConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.kv_cache_memory <= 0 or self.swap_space < 0:
+        if (self.kv_cache_memory is not None and self.kv_cache_memory <= 0) or self.swap_space < 0:
             raise ValueError("kv_cache_memory must be > 0 and swap_space >= 0")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -26,7 +26,7 @@ from gpu_worker import cpu_isa
 from gpu_worker.affinity import lower_threads, thread_ids, unbind_this_thread
 from gpu_worker.attention import create_backend
 from gpu_worker.checkpoint import load_config, load_model, model_name, size_on_disk
-from gpu_worker.config import DTYPES, WorkerConfig
+from gpu_worker.config import DEFAULT_KV_CACHE_MEMORY, DTYPES, WorkerConfig
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM
@@ -276,11 +276,13 @@ def _num_device_blocks(
     model: CausalLM,
     num_heads: int,
 ) -> int:
-    """KV blocks of the pool: on CPU what --kv-cache-memory holds of the whole model's
-    blocks (split over the ranks under tensor parallelism); on CUDA what this device has left
-    for its rank's `geometry`."""
-    if cfg.device == "cpu":
+    """KV blocks of the pool: what --kv-cache-memory holds of the whole model's blocks (split
+    over the ranks under tensor parallelism), 1 GiB of them on CPU when it is not given; on
+    CUDA without it, what this device has left for its rank's `geometry`."""
+    if cfg.kv_cache_memory is not None:
         return whole.num_blocks_for(cfg.kv_cache_memory)
+    if cfg.device == "cpu":
+        return whole.num_blocks_for(DEFAULT_KV_CACHE_MEMORY)
     # CUDA: what the utilization budget leaves after the weights and a profiling pass of one
     # max-size prefill (activations), measured rather than guessed.
     torch.cuda.reset_peak_memory_stats(cfg.device)

@@ -321,8 +321,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         p,
         "--kv-cache-memory",
         type=parse_bytes,
-        default=1 << 30,
-        help="bytes of KV cache on CPU (e.g. 2GiB)",
+        default=None,
+        help="bytes of KV cache (e.g. 2GiB); default 1GiB on CPU, and on CUDA what "
+        "--gpu-memory-utilization leaves",
     )
     _flag(
         p,

@@ -1,5 +1,6 @@
-"""End to end with the Triton kernels: a real worker with `--attention-backend triton` (on the
-CPU, under the Triton interpreter that conftest enables for child processes too) and a real
+"""End to end with the Triton kernels: a real worker with `--attention-backend triton` (on a
+CUDA GPU where there is one and the interpreter is off; else on the CPU, under the Triton
+interpreter that conftest enables for child processes too) and a real
 control plane give greedy output equal to transformers token for token, with a chunked
 prefill and a preemption (recompute, then swap) happening on the way."""
 
@@ -14,6 +15,7 @@ import grpc
 import pytest
 
 from protos.v1 import worker_pb2, worker_pb2_grpc
+from tests.kernel_refs import DEVICE
 from tests.oracle import hf_greedy
 from tests.procs import ServerProcess
 from tests.stack import generate, start_stack
@@ -50,7 +52,7 @@ def test_triton_backend_greedy_matches_transformers(
         model_dir,
         num_gpu_blocks=NUM_GPU_BLOCKS,
         dtype="float32",
-        worker_args=("--attention-backend", "triton"),
+        worker_args=("--attention-backend", "triton", "--device", DEVICE),
         cp_args=(
             "--preemption",
             preemption,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from pagedserve import wire
 from pagedserve.plan import CachedRequestData, NewRequestData, StepPlan
@@ -83,3 +84,25 @@ def test_an_unused_swap_pool_takes_no_memory(
     with open(f"/proc/{worker.proc.pid}/status") as f:
         rss = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
     assert rss < 900 << 20, f"worker RSS {rss >> 20} MiB with an untouched 1 GiB swap pool"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_kv_pool_is_what_kv_cache_memory_holds_on_either_device(device: str) -> None:
+    """An explicit --kv-cache-memory sizes the pool on CUDA too (no profiling pass, nothing
+    asked of the device), as on CPU; without it a CPU pool is 1 GiB."""
+    from gpu_worker.config import DEFAULT_KV_CACHE_MEMORY, WorkerConfig
+    from gpu_worker.kv_cache import CacheGeometry
+    from gpu_worker.server import _num_device_blocks
+
+    whole = CacheGeometry(4, 4, 64, 16, torch.float32)
+    rank = CacheGeometry(4, 2, 64, 16, torch.float32)  # one of two tensor-parallel ranks
+    cfg = WorkerConfig(model="m", device=device, kv_cache_memory=10 * whole.bytes_per_block + 1)
+    assert _num_device_blocks(cfg, whole, rank, None, 4) == 10  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        WorkerConfig(model="m", device=device, kv_cache_memory=0)
+    if device == "cpu":
+        default = WorkerConfig(model="m")
+        assert default.kv_cache_memory is None
+        assert _num_device_blocks(default, whole, rank, None, 4) == (  # type: ignore[arg-type]
+            DEFAULT_KV_CACHE_MEMORY // whole.bytes_per_block
+        )
