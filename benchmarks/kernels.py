@@ -35,7 +35,11 @@ import triton  # noqa: E402
 
 from kernels.paged_decode import paged_decode_attention  # noqa: E402
 from kernels.paged_decode_splitk import paged_decode_attention_splitk, use_split_k  # noqa: E402
-from kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from kernels.paged_prefill import (  # noqa: E402
+    paged_prefill_attention,
+    plan_prefill_tiles,
+    prefill_config,
+)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DEFAULT_OUT = Path("benchmarks/results/kernels.json")
@@ -167,7 +171,13 @@ def bench_prefill(
     nbytes = kv_bytes(tokens, dtype)
     flops = 4 * NUM_Q_HEADS * HEAD_DIM * tokens * (tokens + 1) / 2  # causal QK^T and PV
     row: dict[str, Any] = {"tokens": tokens, "kv_bytes": nbytes, "flops": flops}
-    ms = time_ms(lambda: paged_prefill_attention(q, k, v, tables, qsl, seq_lens, scale), device)
+    # Tiles planned once, as the worker plans them once per step for every layer.
+    block_m = prefill_config(device, dtype, HEAD_DIM, cfg.block_size).block_m
+    tiles = plan_prefill_tiles([tokens], NUM_Q_HEADS // NUM_KV_HEADS, device, block_m=block_m)
+    ms = time_ms(
+        lambda: paged_prefill_attention(q, k, v, tables, qsl, seq_lens, scale, tiles=tiles),
+        device,
+    )
     rates(row, "triton", ms, nbytes, peak)
     row["triton_tflops"] = flops / (ms * 1e-3) / 1e12
     qc = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, head_dim]

@@ -156,3 +156,29 @@ def test_outside_the_envelope_is_refused(field: str, value: torch.Tensor, messag
     setattr(b, field, value.to(DEVICE))
     with pytest.raises(ValueError, match=message):
         run(b)
+
+
+def test_prefill_config_by_device_dtype_and_head_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wide tiles only where they were measured to pay and to fit (Hopper and newer,
+    16-bit caches, head dims up to 128); Triton's defaults everywhere else."""
+    from kernels import paged_prefill as pp
+
+    default = pp.PrefillConfig(pp.BLOCK_M, 32, 4, 3)
+    cuda = torch.device("cuda")
+    capability = {"cap": (9, 0)}
+    monkeypatch.setattr(pp, "_compute_capability", lambda device: capability["cap"])
+    assert pp.prefill_config(cuda, torch.bfloat16, 128, 16) == pp.PrefillConfig(128, 128, 8, 2)
+    assert pp.prefill_config(cuda, torch.float16, 64, 16) == pp.PrefillConfig(128, 128, 8, 2)
+    assert pp.prefill_config(cuda, torch.float32, 128, 16) == default
+    assert pp.prefill_config(cuda, torch.bfloat16, 256, 16) == default
+    assert pp.prefill_config(torch.device("cpu"), torch.bfloat16, 128, 16) == default
+    capability["cap"] = (8, 0)
+    assert pp.prefill_config(cuda, torch.bfloat16, 128, 16) == default
+    assert pp.prefill_config(cuda, torch.bfloat16, 128, 64).tile == 64
+
+    # Tiles carry the config's rows; tiles planned for other rows are refused.
+    tiles = pp.plan_prefill_tiles([300, 1, 40], 4, "cpu", min_query_len=2, block_m=128)
+    assert tiles.block_q == 32 and tiles.seq.tolist() == [0] * 10 + [2, 2]
+    b = make_batch([(0, 40)], num_kv_heads=1, queries_per_kv=4, head_dim=64, block_size=16)
+    with pytest.raises(ValueError, match="tiles were planned"):
+        run(b, tiles=tiles)

@@ -19,7 +19,12 @@ from gpu_worker.kv_cache import KVCache
 from kernels import envelope
 from kernels.paged_decode import paged_decode_attention
 from kernels.paged_decode_splitk import paged_decode_attention_splitk, use_split_k
-from kernels.paged_prefill import PrefillTiles, paged_prefill_attention, plan_prefill_tiles
+from kernels.paged_prefill import (
+    PrefillTiles,
+    paged_prefill_attention,
+    plan_prefill_tiles,
+    prefill_config,
+)
 from kernels.reshape_and_cache import reshape_and_cache
 
 
@@ -55,6 +60,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         self.num_kv_heads = g.num_kv_heads
         self.queries_per_kv = num_heads // g.num_kv_heads
+        self.prefill_block_m = prefill_config(device, g.dtype, head_dim, g.block_size).block_m
         # Sizes the split-K choice; 0 on the CPU, where the interpreter gains nothing from it.
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
@@ -83,7 +89,9 @@ class TritonAttentionBackend(AttentionBackend):
                 decode = _Decode(rows, tables, layout.seq_lens[idx], max_len, split)
         prefill = None
         if len(decodes) < len(q_lens):
-            prefill = plan_prefill_tiles(q_lens, self.queries_per_kv, device, min_query_len=2)
+            prefill = plan_prefill_tiles(
+                q_lens, self.queries_per_kv, device, min_query_len=2, block_m=self.prefill_block_m
+            )
         self._step = _Step(layout, decode, prefill)
 
     def forward(
