@@ -280,7 +280,16 @@ def _num_device_blocks(
     over the ranks under tensor parallelism), 1 GiB of them on CPU when it is not given; on
     CUDA without it, what this device has left for its rank's `geometry`."""
     if cfg.kv_cache_memory is not None:
-        return whole.num_blocks_for(cfg.kv_cache_memory)
+        blocks = whole.num_blocks_for(cfg.kv_cache_memory)
+        if cfg.device != "cpu":  # this rank's part of them must fit beside the weights
+            free, _ = torch.cuda.mem_get_info(cfg.device)
+            if (need := blocks * geometry.bytes_per_block) > free:
+                raise WorkerStartupError(
+                    f"--kv-cache-memory {human_bytes(cfg.kv_cache_memory)} needs"
+                    f" {human_bytes(need)} on {cfg.device}, which has {human_bytes(free)} free"
+                    " after the weights"
+                )
+        return blocks
     if cfg.device == "cpu":
         return whole.num_blocks_for(DEFAULT_KV_CACHE_MEMORY)
     # CUDA: what the utilization budget leaves after the weights and a profiling pass of one

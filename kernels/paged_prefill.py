@@ -62,14 +62,15 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
 def prefill_config(
     device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int
 ) -> PrefillConfig:
-    """Hopper and newer, 16-bit caches, head dims up to 128: 128 score rows over 128-key tiles
-    on 8 warps, two stages deep (on an H200, 32 query heads over 8 kv heads of 128, bf16:
-    1.1-1.2x the default from 2k to 8k tokens, level at 1k; the two tiles' operands then
-    fit in shared memory). Elsewhere (other GPUs, float32, wider heads, the interpreter) 64
-    rows over envelope.kv_tile keys on Triton's default 4 warps and 3 stages."""
+    """Hopper (compute capability 9.x), 16-bit caches, head dims up to 128: 128 score rows
+    over 128-key tiles on 8 warps, two stages deep (on an H200, 32 query heads over 8 kv heads
+    of 128, bf16: 1.06-1.12x the default from 2k to 8k tokens, level at 1k; the two stages'
+    tiles take ~128 KiB of Hopper's 227 KiB of shared memory, more than GPUs with ~100 KiB
+    have). Elsewhere (other GPUs, float32, wider heads, the interpreter) 64 rows over
+    envelope.kv_tile keys on Triton's default 4 warps and 3 stages."""
     if (
         device.type == "cuda"
-        and _compute_capability(device)[0] >= 9
+        and _compute_capability(device)[0] == 9
         and dtype.itemsize == 2
         and head_dim <= 128
     ):

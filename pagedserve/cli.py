@@ -330,7 +330,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
-        help="fraction of GPU memory for weights, activations and KV cache",
+        help="fraction of GPU memory for weights, activations and KV cache (unused where "
+        "--kv-cache-memory is given)",
     )
     _flag(p, "--swap-space", type=parse_bytes, default=1 << 30, help="bytes of host swap pool")
     _flag(

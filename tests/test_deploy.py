@@ -193,6 +193,9 @@ def test_compose_worker_runs_on_cpu_without_a_profile_and_the_gpu_file_moves_it(
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert gpu["build"]["target"] == "cuda" and gpu["environment"]["PAGEDSERVE_SWAP_SPACE"]
     assert gpu["environment"]["PAGEDSERVE_GRPC_TOKEN"]  # kept from the base file
+    # An explicit KV size would hold on CUDA too: the GPU worker's pool must come from
+    # --gpu-memory-utilization, so neither file sets one.
+    assert "PAGEDSERVE_KV_CACHE_MEMORY" not in gpu["environment"]
     deps = compose["services"]["control-plane"]["depends_on"]
     assert deps["worker"] == {"condition": "service_healthy"}
 

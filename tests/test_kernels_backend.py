@@ -58,8 +58,9 @@ def run_steps(
     make_backend: Callable[[KVCache, int], AttentionBackend],
     steps: list[BatchLayout],
     num_heads: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[list[torch.Tensor], KVCache]:
-    cache = make_cache()
+    cache = make_cache(dtype)
     backend = make_backend(cache, num_heads)
     gen = torch.Generator().manual_seed(0)
     outs = []
@@ -67,27 +68,32 @@ def run_steps(
         backend.begin_step(lay)
         t = len(lay.slot_mapping)
         for layer in range(NUM_LAYERS):
-            q = torch.randn((t, num_heads, HEAD_DIM), generator=gen).to(DEVICE)
+            q = torch.randn((t, num_heads, HEAD_DIM), generator=gen).to(DEVICE, dtype)
             # k, v as slices of one fused tensor, like a qkv projection's output.
-            kv = torch.randn((t, 2 * NUM_KV_HEADS, HEAD_DIM), generator=gen).to(DEVICE)
+            kv = torch.randn((t, 2 * NUM_KV_HEADS, HEAD_DIM), generator=gen).to(DEVICE, dtype)
             k, v = kv[:, :NUM_KV_HEADS], kv[:, NUM_KV_HEADS:]
             outs.append(backend.forward(layer, q, k, v))
     return outs, cache
 
 
-@pytest.mark.parametrize("num_heads", [2, 8])  # MHA and GQA 4
-def test_matches_torch_backend_over_mixed_steps(num_heads: int) -> None:
+@pytest.mark.parametrize(
+    ("num_heads", "dtype"),
+    [(2, torch.float32), (8, torch.float32), (8, torch.bfloat16)],  # MHA and GQA 4
+)
+def test_matches_torch_backend_over_mixed_steps(num_heads: int, dtype: torch.dtype) -> None:
     a, b, c, d = list(range(0, 5)), list(range(10, 16)), list(range(20, 23)), [40, 41, 42]
     steps = [
         layout([(a, 0, 40), (b, 0, 16), (c, 0, 1)]),  # prefills, one a single token
         layout([(a, 40, 1), (b, 16, 37), (c, 1, 1), (d, 0, 33)]),  # decodes + chunk + new
         layout([(a, 41, 1), (b, 53, 1), (c, 2, 1)]),  # decodes only
     ]
-    want, want_cache = run_steps(torch_backend, steps, num_heads)
-    got, got_cache = run_steps(triton_backend, steps, num_heads)
+    want, want_cache = run_steps(torch_backend, steps, num_heads, dtype)
+    got, got_cache = run_steps(triton_backend, steps, num_heads, dtype)
     assert torch.equal(got_cache.kv, want_cache.kv)
+    # bf16: each side rounds its softmax weights and output to bf16 (test_kernels_decode).
+    atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol)
 
 
 def test_split_k_decode_in_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:

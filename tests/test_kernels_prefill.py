@@ -64,9 +64,14 @@ def test_prefill_matches_reference_fp32(block_size: int, head_dim: int, group: i
     assert_close(run(b), b.reference(), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prefill_half_precision(dtype: torch.dtype) -> None:
-    b = prefill_batch(16, 128, 4, dtype, seed=9)
+@pytest.mark.parametrize(
+    ("dtype", "block_size"),
+    [(torch.float16, 16), (torch.bfloat16, 16), (torch.bfloat16, 8), (torch.bfloat16, 128)],
+)
+def test_prefill_half_precision(dtype: torch.dtype, block_size: int) -> None:
+    """Half precision at head size 128, where a GPU takes the wide tiles (prefill_config):
+    blocks smaller than, equal to and as large as a key tile."""
+    b = prefill_batch(block_size, 128, 4, dtype, seed=9)
     out = run(b)
     assert out.dtype == dtype
     assert_close(out, b.reference(), dtype)
@@ -159,8 +164,8 @@ def test_outside_the_envelope_is_refused(field: str, value: torch.Tensor, messag
 
 
 def test_prefill_config_by_device_dtype_and_head_dim(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wide tiles only where they were measured to pay and to fit (Hopper and newer,
-    16-bit caches, head dims up to 128); Triton's defaults everywhere else."""
+    """The wide tiles only where they were measured to pay and to fit (Hopper, 16-bit caches,
+    head dims up to 128); Triton's defaults everywhere else."""
     from kernels import paged_prefill as pp
 
     default = pp.PrefillConfig(pp.BLOCK_M, 32, 4, 3)
@@ -172,8 +177,9 @@ def test_prefill_config_by_device_dtype_and_head_dim(monkeypatch: pytest.MonkeyP
     assert pp.prefill_config(cuda, torch.float32, 128, 16) == default
     assert pp.prefill_config(cuda, torch.bfloat16, 256, 16) == default
     assert pp.prefill_config(torch.device("cpu"), torch.bfloat16, 128, 16) == default
-    capability["cap"] = (8, 0)
-    assert pp.prefill_config(cuda, torch.bfloat16, 128, 16) == default
+    for other in ((8, 0), (12, 0)):  # Ampere; a GPU with ~100 KiB of shared memory a block
+        capability["cap"] = other
+        assert pp.prefill_config(cuda, torch.bfloat16, 128, 16) == default
     assert pp.prefill_config(cuda, torch.bfloat16, 128, 64).tile == 64
 
     # Tiles carry the config's rows; tiles planned for other rows are refused.

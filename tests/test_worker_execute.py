@@ -87,20 +87,34 @@ def test_an_unused_swap_pool_takes_no_memory(
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_kv_pool_is_what_kv_cache_memory_holds_on_either_device(device: str) -> None:
-    """An explicit --kv-cache-memory sizes the pool on CUDA too (no profiling pass, nothing
-    asked of the device), as on CPU; without it a CPU pool is 1 GiB."""
+def test_the_kv_pool_is_what_kv_cache_memory_holds_on_either_device(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An explicit --kv-cache-memory sizes the pool on CUDA too (no profiling pass), as on CPU,
+    and on CUDA a size that does not fit beside the weights is refused in one line; without
+    it a CPU pool is 1 GiB."""
     from gpu_worker.config import DEFAULT_KV_CACHE_MEMORY, WorkerConfig
     from gpu_worker.kv_cache import CacheGeometry
-    from gpu_worker.server import _num_device_blocks
+    from gpu_worker.server import WorkerStartupError, _num_device_blocks
 
     whole = CacheGeometry(4, 4, 64, 16, torch.float32)
     rank = CacheGeometry(4, 2, 64, 16, torch.float32)  # one of two tensor-parallel ranks
+    free = {"bytes": 10 * rank.bytes_per_block}  # what the "device" has left: 10 rank blocks
+    if device == "cuda" and not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free["bytes"], 1 << 40))
+    elif device == "cuda":
+        free["bytes"] = torch.cuda.mem_get_info("cuda")[0]
     cfg = WorkerConfig(model="m", device=device, kv_cache_memory=10 * whole.bytes_per_block + 1)
     assert _num_device_blocks(cfg, whole, rank, None, 4) == 10  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_cache_memory"):
         WorkerConfig(model="m", device=device, kv_cache_memory=0)
-    if device == "cpu":
+    if device == "cuda":
+        too_big = WorkerConfig(
+            model="m", device=device, kv_cache_memory=2 * (free["bytes"] + whole.bytes_per_block)
+        )
+        with pytest.raises(WorkerStartupError, match="--kv-cache-memory .* free after the"):
+            _num_device_blocks(too_big, whole, rank, None, 4)  # type: ignore[arg-type]
+    else:
         default = WorkerConfig(model="m")
         assert default.kv_cache_memory is None
         assert _num_device_blocks(default, whole, rank, None, 4) == (  # type: ignore[arg-type]
