@@ -142,3 +142,29 @@ def test_widen_top_keeps_nan_out_of_the_top() -> None:
     logits[0, 50] = float("nan")
     wide, top = _ops().widen_top(logits, 4)
     assert sorted(top[0].tolist()) == [96, 97, 98, 99] and bool(wide[0, 50].isnan())
+
+
+@pytest.mark.parametrize(
+    "rows,vocab,hidden,k", [(1, 300, 576, 32), (64, 4099, 72, 32), (3, 40, 8, 5)]
+)
+def test_refine_top_writes_float32_dot_products_at_the_top_ids(
+    rows: int, vocab: int, hidden: int, k: int
+) -> None:
+    """At each row's top ids the logits become float32 sums of the exact products of the bf16
+    hidden state and head row (within float32 rounding of the float64 dot product, and of
+    torch's gather-and-bmm reference); every other logit is left alone. Hidden sizes with and
+    without a vector tail, and one below a vector."""
+    torch.manual_seed(hidden)
+    x = torch.randn(rows, hidden).to(BF16)
+    head = torch.randn(vocab, hidden).to(BF16)
+    logits = torch.randn(rows, vocab)
+    top = torch.stack([torch.randperm(vocab)[:k] for _ in range(rows)])
+    got, want = logits.clone(), logits.clone()
+    _ops().refine_top(got, top, x, head)
+    TorchOps().refine_top(want, top, x, head)
+    exact = x.double() @ head.double().T  # [rows, vocab]
+    mask = torch.zeros(rows, vocab, dtype=torch.bool).scatter_(1, top, True)
+    assert torch.equal(got[~mask], logits[~mask])
+    scale = (x.double().abs() @ head.double().abs().T)[mask]  # sum of |products|: the bound
+    assert bool(((got[mask].double() - exact[mask]).abs() <= scale * hidden * 2.0**-24).all())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ interface:
     rope = ops.rope_for(positions, table)             once per step
     qk = ops.rotate(qk, rope)                         every layer
     logits, top = ops.widen_top(logits, k)            bf16 logits -> float32, top-k ids
+    ops.refine_top(logits, top, hidden, head)         those logits recomputed in float32
 
 The fused ops may write `h` and `qk` in place; the model hands them tensors nothing else
 reads. `PAGEDSERVE_CPU_FUSED_OPS=0` keeps torch's ops.
@@ -61,6 +62,16 @@ class TorchOps:
         wide = logits.float()
         return wide, wide.topk(k, dim=1).indices
 
+    def refine_top(
+        self, logits: torch.Tensor, top: torch.Tensor, hidden: torch.Tensor, head: torch.Tensor
+    ) -> None:
+        """Writes into `logits` [R, V] (float32 or wider), at each row's ids `top` [R, k], the
+        products of the half-precision `hidden` [R, H] and `head` rows [V, H], exact, summed
+        in `logits`' dtype."""
+        rows = head[top].to(logits.dtype)  # [R, k, H]
+        exact = torch.bmm(rows, hidden.to(logits.dtype).unsqueeze(2)).squeeze(2)
+        logits.scatter_(1, top, exact)
+
 
 class FusedCpuOps(TorchOps):
     """bf16 or float32 tensors on the CPU; `lib` is the built `fused_ops_cpu.c`."""
@@ -75,6 +86,7 @@ class FusedCpuOps(TorchOps):
         self._silu_mul = getattr(lib, f"silu_mul_{suffix}")
         self._rope = getattr(lib, f"rope_{suffix}")
         self._widen_top = lib.widen_top_bf16
+        self._refine_top = lib.refine_top_bf16
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -143,6 +155,23 @@ class FusedCpuOps(TorchOps):
         )  # fmt: skip
         return wide, top
 
+    def refine_top(
+        self, logits: torch.Tensor, top: torch.Tensor, hidden: torch.Tensor, head: torch.Tensor
+    ) -> None:
+        if not (
+            logits.dtype == torch.float32
+            and hidden.dtype == head.dtype == torch.bfloat16
+            and top.dtype == torch.int64
+            and all(t.is_contiguous() for t in (logits, top, hidden, head))
+        ):
+            return super().refine_top(logits, top, hidden, head)
+        (rows, vocab), k = logits.shape, top.shape[1]
+        assert head.shape == (vocab, hidden.shape[1]) and top.shape[0] == hidden.shape[0] == rows
+        self._refine_top(
+            hidden.data_ptr(), head.data_ptr(), logits.data_ptr(), top.data_ptr(), rows, vocab,
+            hidden.shape[1], k, torch.get_num_threads(),
+        )  # fmt: skip
+
 
 def load() -> ctypes.CDLL | None:
     """The built library with its argument types set; None where it cannot build."""
@@ -160,6 +189,8 @@ def load() -> ctypes.CDLL | None:
                 fn.restype = None
         lib.widen_top_bf16.argtypes = [p, p, p, i64, i64, i32, i32]
         lib.widen_top_bf16.restype = None
+        lib.refine_top_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
+        lib.refine_top_bf16.restype = None
     return lib
 
 

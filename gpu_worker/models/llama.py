@@ -376,9 +376,7 @@ class CausalLM(nn.Module):
         elif self.dtype.itemsize < 4:
             logits = _linear(hidden, self.lm_head, None, packed)
             logits, top = self.ops.widen_top(logits, min(REFINE_TOP, logits.shape[1]))  # [R, k]
-            rows = self.lm_head[top].to(self.logits_dtype)  # [R, k, hidden]
-            exact = torch.bmm(rows, hidden.to(self.logits_dtype).unsqueeze(2)).squeeze(2)
-            logits.scatter_(1, top, exact)
+            self.ops.refine_top(logits, top, hidden, self.lm_head)
         else:
             logits = _linear(hidden, self.lm_head, None, packed).to(self.logits_dtype)
         # Each rank refined its own rows' best: the overall best are among them.

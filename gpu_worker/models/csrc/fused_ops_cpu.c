@@ -202,3 +202,27 @@ void widen_top_bf16(const uint16_t *logits, float *out, int64_t *top, int64_t ro
         }
     }
 }
+
+/* The float32 logits of each row's `k` ids in `top` [rows, k], recomputed from the bf16 hidden
+ * state [rows, hidden] and LM head [vocab, hidden] (this rank's rows) and written into `out`
+ * [rows, vocab] at those ids: exact products of the bf16 values summed in float32, 16 lanes
+ * at a time, in place of a gather of the head's rows, their widening and a batched product. */
+void refine_top_bf16(const uint16_t *hidden, const uint16_t *head, float *out,
+                     const int64_t *top, int64_t rows, int64_t vocab, int64_t hidden_size, int k,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * k * hidden_size >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x = hidden + r * hidden_size;
+        for (int j = 0; j < k; j++) {
+            const int64_t id = top[r * k + j];
+            const uint16_t *w = head + id * hidden_size;
+            v16 acc = splat16(0.f);
+            int64_t d = 0;
+            for (; d + W <= hidden_size; d += W) acc += load_bf16x16(w + d) * load_bf16x16(x + d);
+            float sum = 0.f;
+            for (int l = 0; l < W; l++) sum += acc[l];
+            for (; d < hidden_size; d++) sum += bf16_widen(w[d]) * bf16_widen(x[d]);
+            out[r * vocab + id] = sum;
+        }
+    }
+}
