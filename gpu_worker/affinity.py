@@ -62,6 +62,21 @@ def unbind_this_thread() -> None:
         os.sched_setaffinity(0, _whole)
 
 
+def is_bound() -> bool:
+    """Whether `bind_threads_to_cores` bound the model's threads in this process."""
+    return _whole is not None
+
+
+def other_cores(count: int) -> list[int]:
+    """`count` CPUs for the CPU team's helpers: the bound cores after the calling thread's own
+    (it is bound to one), or -1 each (unbound) where nothing was bound."""
+    mine = os.sched_getaffinity(0)
+    if _whole is None or len(mine) != 1:
+        return [-1] * count
+    rest = sorted(_whole - mine)
+    return (rest + [-1] * count)[:count]
+
+
 # The worker's default niceness on a CPU: its model threads weigh 110 against the 1,024 of
 # every other thread of the machine's processes (its own gRPC threads included).
 CPU_NICE = 10

@@ -22,7 +22,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpu_worker import cpu_isa
+from gpu_worker import affinity, cpu_isa, cpu_team
 from gpu_worker.affinity import lower_threads, thread_ids, unbind_this_thread
 from gpu_worker.attention import create_backend
 from gpu_worker.checkpoint import load_config, load_model, model_name, size_on_disk
@@ -148,6 +148,14 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
     if threads:
         torch.set_num_threads(threads)
     dtype = cfg.torch_dtype
+    team = torch.get_num_threads()
+    if tp is None and cpu_team.wanted(cfg.device, dtype, team, affinity.is_bound()):
+        # The projections' team: the model's thread and helpers that never stall it; torch's
+        # own ops keep to the model's thread (docs/architecture.md, "The CPU team").
+        helpers = cpu_team.start(affinity.other_cores(team - 1))
+        if helpers:
+            torch.set_num_threads(1)
+        log.info("cpu_team", helpers=helpers, threads=team)
     if cfg.device != "cpu" and cfg.cache_dtype != cfg.model_dtype:
         raise ValueError("a KV cache dtype other than the model's is supported on CPU only")
     isa = cpu_isa.bf16_isa() if cfg.device == "cpu" else None
@@ -243,6 +251,8 @@ def _team_sizer(cfg: WorkerConfig) -> TeamSizer | None:
     """The adaptive team size where the worker's threads are bound one to a core (one rank on
     the CPU, its thread count left to the default) and there are two or more of them."""
     whole = torch.get_num_threads()
+    if cpu_team.active():  # its helpers never hold a step up: nothing to size
+        return None
     if not cfg.adaptive_threads or cfg.device != "cpu" or cfg.tensor_parallel_size != 1:
         return None
     if whole < 2:

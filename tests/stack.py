@@ -88,15 +88,18 @@ def start_stack(
     worker_args: tuple[str, ...] = (),
     cp_args: tuple[str, ...] = (),
     token: str | None = None,
+    worker_env: dict[str, str | None] | None = None,
 ) -> Stack:
-    """With a token, every process requires it (PAGEDSERVE_GRPC_TOKEN) and the stub sends it."""
+    """With a token, every process requires it (PAGEDSERVE_GRPC_TOKEN) and the stub sends it.
+    `worker_env` adds to the workers' environment (None: removed)."""
     env = {"PAGEDSERVE_GRPC_TOKEN": token} if token else None
     workers = []
     for i in range(num_workers):
         wport = free_port()
         args = worker_cli_args(model_dir, wport, num_gpu_blocks, num_cpu_blocks, dtype)
+        wenv = {**(env or {}), **(worker_env or {})} or None
         workers.append(
-            spawn(f"worker-{i}", *args, *worker_args, ready_address=f"127.0.0.1:{wport}", env=env)
+            spawn(f"worker-{i}", *args, *worker_args, ready_address=f"127.0.0.1:{wport}", env=wenv)
         )
     cport = free_port()
     redis_args = ("--redis-url", redis_url) if redis_url else ()

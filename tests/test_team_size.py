@@ -145,7 +145,10 @@ def test_a_default_worker_sizes_its_team_unless_told_not_to(
         pytest.skip("one core: one team size")
     port = free_port()
     args = [*worker_cli_args(micro_llama, port, 64, 0, "float32"), *flag]
-    w = spawn("worker", *args, ready_address=f"127.0.0.1:{port}", env={"OMP_NUM_THREADS": None})
+    # The OpenMP team's case: a float32 worker would otherwise run the CPU team, which has no
+    # size to choose (tests/test_cpu_team.py).
+    env = {"OMP_NUM_THREADS": None, "PAGEDSERVE_CPU_TEAM": "0"}
+    w = spawn("worker", *args, ready_address=f"127.0.0.1:{port}", env=env)
     assert ('"threads_adaptive"' in w.output()) is adaptive
 
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker import cpu_isa
+from gpu_worker import cpu_isa, cpu_team
 from gpu_worker.models.base import AttentionFn
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.fused_ops import TorchOps, ops_for
@@ -106,6 +106,10 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """oneDNN's copy of `weight` in `dtype`; in float32 where the worker runs the CPU team,
+    `cpu_team`'s panels instead (3-D, which `_linear` tells apart)."""
+    if dtype == torch.float32 and weight.device.type == "cpu" and cpu_team.active():
+        return cpu_team.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), PACK_BATCH_HINT)
 
 
@@ -116,6 +120,10 @@ def _linear(
     when that copy is float32 and `x` is not)."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if packed.dim() == 3:  # the CPU team's panels (float32)
+        if x.dtype != torch.float32:
+            return cpu_team.linear(x.float(), packed, weight.shape[0], bias).to(x.dtype)
+        return cpu_team.linear(x, packed, weight.shape[0], bias)
     if packed.dtype != x.dtype:  # widened: one rounding, of the output
         b = None if bias is None else bias.to(packed.dtype)
         out = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, b, "none", [], "")
@@ -349,6 +357,8 @@ class CausalLM(nn.Module):
         packed = self.lm_head_packed
         if packed is None:
             return "F.linear"
+        if packed.dim() == 3:
+            return "team-float32"
         name = f"onednn-{str(packed.dtype).removeprefix('torch.')}"
         return name + "-widened" if packed.dtype != self.dtype else name
 
@@ -408,7 +418,7 @@ class CausalLM(nn.Module):
             counts = {*range(align, top + 1, align), *BF16_PIECES}
         calls = 0
         for weight, bias, packed in projections:
-            if packed is None or not counts:
+            if packed is None or packed.dim() == 3 or not counts:  # the team compiles nothing
                 continue
             x = torch.zeros(max(counts), weight.shape[1], dtype=weight.dtype, device=weight.device)
             for rows in sorted(counts):

@@ -1,0 +1,362 @@
+/*
+ * A team for the worker's CPU steps that no other process can stall, and the float32 products
+ * that run on it.
+ *
+ * OpenMP ends every parallel region at a barrier: when another process (the gateway, the
+ * control plane, a load client) takes the core of one thread of the team, the others wait at
+ * the barrier until it gets the core back, so every millisecond of their CPU costs the step a
+ * millisecond on each core. Here the calling thread (the model's) works with helper threads
+ * on a shared list of items and never waits for a helper that has lost its core:
+ *
+ *   team_run(items):  the caller claims items from the front, the helpers from the back, each
+ *                     by compare-and-swap on the item's state, so no item is done twice by
+ *                     choice. A helper computes into its own scratch and copies the result
+ *                     out only after a second compare-and-swap (HELPER -> COPYING). When the
+ *                     caller runs out of items, it waits for the helpers' items a few times as
+ *                     long as its own took, then takes back the ones still running (HELPER ->
+ *                     STOLEN) and computes them itself; the helper's late result is dropped.
+ *
+ * Item states carry the job's generation, so a helper woken late cannot claim an item of a
+ * later job with an earlier job's parameters. A helper whose item was taken back may still be
+ * reading that job's inputs: the call returns the generation, and the caller keeps the inputs
+ * alive until every helper has left it (`team_left_gen`). Outputs are written only by the
+ * caller or under COPYING, which the caller waits out, so nothing is written after the call
+ * returns. Helpers spin `spin_us` after a job, then sleep on a futex.
+ *
+ * The products: `gemm_f32` computes x @ w.T (+ bias) for a weight packed by `pack_f32` into
+ * panels of NR columns ([panels][K][NR], zero-padded), one item per (ROWS_PER_ITEM rows, panel),
+ * with an MR x NR register block (16-float vectors from simd16.h: NR = 32 on AVX-512, 16 on
+ * narrower SIMD). Linux only (futex, CPU affinity).
+ */
+#define _GNU_SOURCE
+#include "simd16.h"
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+/* ---- the team ----------------------------------------------------------------------------- */
+
+enum { FREE = 0, MAIN = 1, HELPER = 2, COPYING = 3, DONE = 4, STOLEN = 5 };
+#define MAX_ITEMS 16384
+#define MAX_HELPERS 15
+#define SCRATCH_FLOATS (64 * 1024)
+#define PARAM_BYTES 256
+
+typedef void (*item_fn)(const void *params, int64_t item, float *scratch);
+typedef void (*copy_fn)(const void *params, int64_t item, const float *scratch);
+
+typedef struct {
+    item_fn run;
+    copy_fn copy;
+    int64_t n_items;
+    _Alignas(16) char params[PARAM_BYTES];
+} job_t;
+
+static job_t job;
+static _Atomic uint64_t job_gen; /* 2 * generation; odd while the job is being written */
+static _Atomic uint64_t states[MAX_ITEMS];
+static _Atomic uint32_t wake_word, sleepers;
+static _Atomic uint64_t left_gen[MAX_HELPERS]; /* the last generation each helper left */
+static pthread_t threads[MAX_HELPERS];
+static int num_helpers;
+static int64_t spin_ns = 100000;
+static int64_t stall_us; /* fault injection (tests): each helper pauses this long per item */
+static uint64_t gen_counter;
+static _Atomic uint64_t taken_back_count; /* items the caller took back from a helper */
+
+static inline uint64_t st(uint64_t gen, uint64_t s) { return (gen << 3) | s; }
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Waits until a job newer than `seen` is published; its job_gen value. */
+static uint64_t await_job(uint64_t seen) {
+    int64_t t0 = now_ns();
+    for (;;) {
+        uint64_t g = atomic_load_explicit(&job_gen, memory_order_acquire);
+        if (g != seen && !(g & 1)) return g;
+        if (now_ns() - t0 < spin_ns) {
+            cpu_relax();
+            continue;
+        }
+        uint32_t w = atomic_load(&wake_word);
+        atomic_fetch_add(&sleepers, 1);
+        g = atomic_load(&job_gen);
+        if (g == seen || (g & 1))
+            syscall(SYS_futex, (uint32_t *)&wake_word, FUTEX_WAIT_PRIVATE, w, NULL, NULL, 0);
+        atomic_fetch_sub(&sleepers, 1);
+        t0 = now_ns();
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int h = (int)(intptr_t)arg;
+    float *scratch = aligned_alloc(64, SCRATCH_FLOATS * sizeof(float));
+    if (scratch == NULL) return NULL;
+    uint64_t seen = 0;
+    job_t local;
+    for (;;) {
+        uint64_t g = await_job(seen);
+        memcpy(&local, &job, sizeof local); /* a seqlock read: valid if job_gen did not move */
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&job_gen, memory_order_relaxed) != g) continue;
+        seen = g;
+        const uint64_t gen = g >> 1;
+        for (int64_t i = local.n_items - 1; i >= 0; i--) {
+            uint64_t expect = st(gen, FREE);
+            if (!atomic_compare_exchange_strong(&states[i], &expect, st(gen, HELPER))) {
+                /* another helper's: go on; the caller's, or a later job: stop */
+                if (expect == st(gen, HELPER) || expect == st(gen, COPYING) ||
+                    expect == st(gen, DONE))
+                    continue;
+                break;
+            }
+            local.run(local.params, i, scratch);
+            if (stall_us > 0) usleep((useconds_t)stall_us); /* as if it lost its core */
+            expect = st(gen, HELPER);
+            if (!atomic_compare_exchange_strong(&states[i], &expect, st(gen, COPYING))) break;
+            local.copy(local.params, i, scratch);
+            atomic_store_explicit(&states[i], st(gen, DONE), memory_order_release);
+        }
+        atomic_store_explicit(&left_gen[h], gen, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Starts `n` helpers, helper i bound to cpus[i] where cpus[i] >= 0; `stall` (tests only: 0)
+ * makes each helper pause that many microseconds after every item. Returns the helpers running
+ * (a second call starts none). */
+int team_start(int n, const int *cpus, int64_t spin_us, int64_t stall) {
+    if (num_helpers > 0 || n <= 0) return num_helpers;
+    if (n > MAX_HELPERS) n = MAX_HELPERS;
+    spin_ns = spin_us * 1000;
+    stall_us = stall;
+    for (int i = 0; i < n; i++) {
+        if (pthread_create(&threads[i], NULL, helper_main, (void *)(intptr_t)i) != 0) break;
+        if (cpus[i] >= 0) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpus[i], &set);
+            pthread_setaffinity_np(threads[i], sizeof set, &set);
+        }
+        num_helpers = i + 1;
+    }
+    return num_helpers;
+}
+
+int team_size(void) { return num_helpers; }
+
+uint64_t team_taken_back(void) { return atomic_load(&taken_back_count); }
+
+/* The oldest generation some helper may still be reading: every job at or below it is left. */
+uint64_t team_left_gen(void) {
+    uint64_t m = UINT64_MAX;
+    for (int i = 0; i < num_helpers; i++) {
+        uint64_t g = atomic_load_explicit(&left_gen[i], memory_order_acquire);
+        if (g < m) m = g;
+    }
+    return m;
+}
+
+/* Runs items 0..n-1 with the helpers. Returns this job's generation if a helper may still read
+ * its inputs (an item was taken back from it), else 0. */
+static uint64_t team_run(item_fn run, copy_fn copy, const void *params, size_t psize,
+                         int64_t n) {
+    if (num_helpers == 0 || n < 2 || n > MAX_ITEMS || psize > PARAM_BYTES) {
+        for (int64_t i = 0; i < n; i++) run(params, i, NULL);
+        return 0;
+    }
+    const uint64_t gen = ++gen_counter;
+    atomic_store_explicit(&job_gen, gen * 2 - 1, memory_order_release);
+    job.run = run;
+    job.copy = copy;
+    job.n_items = n;
+    memcpy(job.params, params, psize);
+    for (int64_t i = 0; i < n; i++)
+        atomic_store_explicit(&states[i], st(gen, FREE), memory_order_relaxed);
+    atomic_store(&job_gen, gen * 2);
+    if (atomic_load(&sleepers) > 0) {
+        atomic_fetch_add(&wake_word, 1);
+        syscall(SYS_futex, (uint32_t *)&wake_word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    }
+    int64_t i = 0, spent = 0, mine = 0;
+    for (; i < n; i++) {
+        uint64_t expect = st(gen, FREE);
+        if (!atomic_compare_exchange_strong(&states[i], &expect, st(gen, MAIN))) break;
+        const int64_t t = now_ns();
+        run(params, i, NULL);
+        spent += now_ns() - t;
+        mine++;
+    }
+    /* A helper gets three of the caller's item times to finish (20 us when the caller did
+     * none), then its item is taken back. */
+    const int64_t patience = (mine ? 3 * spent / mine : 20000) + 2000;
+    uint64_t taken_back = 0;
+    for (int64_t j = i; j < n; j++) {
+        const int64_t t0 = now_ns();
+        for (;;) {
+            uint64_t s = atomic_load_explicit(&states[j], memory_order_acquire);
+            if (s == st(gen, DONE)) break;
+            if (s == st(gen, FREE) || (s == st(gen, HELPER) && now_ns() - t0 > patience)) {
+                const int from_helper = s == st(gen, HELPER);
+                if (atomic_compare_exchange_strong(&states[j], &s,
+                                                   st(gen, from_helper ? STOLEN : MAIN))) {
+                    run(params, j, NULL);
+                    if (from_helper) {
+                        taken_back = gen;
+                        atomic_fetch_add_explicit(&taken_back_count, 1, memory_order_relaxed);
+                    }
+                    break;
+                }
+                continue;
+            }
+            cpu_relax();
+        }
+    }
+    return taken_back;
+}
+
+/* ---- float32 products --------------------------------------------------------------------- */
+
+#if defined(__AVX512F__)
+#define NV 2
+#else
+#define NV 1
+#endif
+#define NR (NV * W16)
+#define MR 6
+#define ROWS_PER_ITEM 48 /* a multiple of MR; ROWS_PER_ITEM * NR fits a helper's scratch */
+
+int64_t gemm_panel_width(void) { return NR; }
+
+/* w [n, k] (row-major, as torch's Linear weight) -> out [ceil(n / NR)][k][NR], zero-padded. */
+void pack_f32(const float *w, int64_t n, int64_t k, float *out) {
+    const int64_t panels = (n + NR - 1) / NR;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < NR; j++) {
+                const int64_t col = p * NR + j;
+                out[(p * k + kk) * NR + j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+/* c[0:mr, 0:ncols] = a[0:mr] @ panel (+ bias): mr * NV vector accumulators over k. */
+static inline __attribute__((always_inline)) void micro(const float *a, int64_t lda,
+                                                        const float *bp, int64_t k, float *c,
+                                                        int64_t ldc, int64_t ncols,
+                                                        const float *bias, const int mr) {
+    v16 acc[MR][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = bias ? load16(bias + v * W16) : splat16(0.0f);
+    for (int64_t kk = 0; kk < k; kk++) {
+        v16 b[NV];
+        for (int v = 0; v < NV; v++) b[v] = load16(bp + kk * NR + v * W16);
+        for (int r = 0; r < mr; r++) {
+            const v16 s = splat16(a[r * lda + kk]);
+            for (int v = 0; v < NV; v++) acc[r][v] += s * b[v];
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        if (ncols == NR) {
+            for (int v = 0; v < NV; v++) store16(c + r * ldc + v * W16, acc[r][v]);
+        } else {
+            float tmp[NR];
+            for (int v = 0; v < NV; v++) store16(tmp + v * W16, acc[r][v]);
+            for (int64_t j = 0; j < ncols; j++) c[r * ldc + j] = tmp[j];
+        }
+    }
+}
+
+typedef struct {
+    const float *a, *wp, *bias;
+    float *c;
+    int64_t m, k, n, panels;
+} gemm_params;
+
+/* Rows [r0, r1) of panel p into c (row stride ldc). */
+static void gemm_block(const gemm_params *g, int64_t r0, int64_t r1, int64_t p, float *c,
+                       int64_t ldc) {
+    const float *bp = g->wp + p * g->k * NR;
+    const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
+    float padded[NR];
+    const float *bias = g->bias ? g->bias + p * NR : NULL;
+    if (bias && ncols < NR) { /* the last panel's columns past n: zeros */
+        memset(padded, 0, sizeof padded);
+        memcpy(padded, bias, (size_t)ncols * sizeof(float));
+        bias = padded;
+    }
+    int64_t r = r0;
+    for (; r + MR <= r1; r += MR)
+        micro(g->a + r * g->k, g->k, bp, g->k, c + (r - r0) * ldc, ldc, ncols, bias, MR);
+    const float *a = g->a + r * g->k;
+    float *cc = c + (r - r0) * ldc;
+    switch (r1 - r) {
+    case 5: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 5); break;
+    case 4: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 4); break;
+    case 3: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 3); break;
+    case 2: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 2); break;
+    case 1: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 1); break;
+    default: break;
+    }
+}
+
+static inline void item_rows(const gemm_params *g, int64_t item, int64_t *p, int64_t *r0,
+                             int64_t *r1) {
+    *p = item % g->panels;
+    *r0 = item / g->panels * ROWS_PER_ITEM;
+    *r1 = *r0 + ROWS_PER_ITEM < g->m ? *r0 + ROWS_PER_ITEM : g->m;
+}
+
+static void gemm_item(const void *params, int64_t item, float *scratch) {
+    const gemm_params *g = params;
+    int64_t p, r0, r1;
+    item_rows(g, item, &p, &r0, &r1);
+    if (scratch)
+        gemm_block(g, r0, r1, p, scratch, NR);
+    else
+        gemm_block(g, r0, r1, p, g->c + r0 * g->n + p * NR, g->n);
+}
+
+static void gemm_copy(const void *params, int64_t item, const float *scratch) {
+    const gemm_params *g = params;
+    int64_t p, r0, r1;
+    item_rows(g, item, &p, &r0, &r1);
+    const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
+    for (int64_t r = r0; r < r1; r++)
+        memcpy(g->c + r * g->n + p * NR, scratch + (r - r0) * NR, (size_t)ncols * sizeof(float));
+}
+
+/* c [m, n] = a [m, k] @ w.T (+ bias [n], or NULL), w packed by pack_f32; a and c contiguous.
+ * Returns team_run's generation (nonzero: keep `a` alive until team_left_gen() reaches it). */
+uint64_t gemm_f32(const float *a, int64_t m, int64_t k, const float *wp, int64_t n,
+                  const float *bias, float *c) {
+    const gemm_params g = {a, wp, bias, c, m, k, n, (n + NR - 1) / NR};
+    const int64_t items = g.panels * ((m + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
+    if (items > MAX_ITEMS) { /* as one job per slice of rows */
+        const int64_t rows = MAX_ITEMS / g.panels * ROWS_PER_ITEM;
+        uint64_t last = 0;
+        for (int64_t r = 0; r < m; r += rows) {
+            const uint64_t gen = gemm_f32(a + r * k, m - r < rows ? m - r : rows, k, wp, n, bias,
+                                          c + r * n);
+            if (gen) last = gen;
+        }
+        return last;
+    }
+    return team_run(gemm_item, gemm_copy, &g, sizeof g, items);
+}

@@ -1,0 +1,113 @@
+"""The CPU team (`gpu_worker/cpu_team.py`, `csrc/team_cpu.c`): its float32 products against
+torch's, items taken back from a helper that lost its core, and a float32 worker that runs its
+projections on it, greedy output against transformers.
+
+The team is process-wide (once started, every float32 model loaded after packs for it), so
+the checks that start one run in a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MICRO
+from tests.oracle import hf_greedy
+from tests.procs import ServerProcess
+from tests.stack import greedy_to_length, start_stack
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+def _child(script: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _events(log: str) -> list[dict]:
+    out = []
+    for line in log.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+PRODUCTS = """
+import json, os, torch
+from gpu_worker import cpu_team
+os.sched_setaffinity(0, {CALLER})
+assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
+gen = torch.Generator().manual_seed(0)
+worst, shapes = 0.0, 0
+for m in (1, 5, 6, 7, 47, 48, 49, 64, 130):
+    for k in (1, 17, 256):
+        for n in (1, 15, 16, 31, 33, 100):
+            for with_bias in (False, True):
+                w = torch.randn(n, k, generator=gen)
+                x = torch.randn(m, k, generator=gen)
+                b = torch.randn(n, generator=gen) if with_bias else None
+                got = cpu_team.linear(x, cpu_team.pack(w), n, b)
+                want = x.double() @ w.double().T + (0 if b is None else b.double())
+                scale = x.abs().double() @ w.abs().double().T + 1
+                worst = max(worst, float(((got.double() - want).abs() / scale).max()))
+                shapes += 1
+for _ in range(REPEATS):  # the same product again and again: the same answer every time
+    x = torch.randn(64, 256, generator=gen)
+    w = torch.randn(300, 256, generator=gen)
+    p = cpu_team.pack(w)
+    first = cpu_team.linear(x, p, 300, None)
+    for _ in range(20):
+        assert torch.equal(cpu_team.linear(x, p, 300, None), first)
+print(json.dumps({"worst": worst, "shapes": shapes, "taken_back": cpu_team.taken_back()}))
+"""
+
+
+def _products(caller: int, helpers: list[int], repeats: int, stall_us: int = 0) -> dict:
+    script = PRODUCTS.replace("CALLER", str(caller)).replace("HELPERS", repr(helpers))
+    return _child(script.replace("REPEATS", str(repeats)).replace("STALL", str(stall_us)))
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="one core: no helper on a core of its own")
+def test_products_on_the_team_equal_torchs() -> None:
+    got = _products(CPUS[0], [CPUS[1]], 5)
+    assert got["shapes"] == 9 * 3 * 6 * 2
+    assert got["worst"] < 1e-6  # float32 sums: a few ulps of the terms' magnitude
+
+
+def test_items_of_a_helper_without_a_core_are_taken_back() -> None:
+    """A helper that stalls after every item (as if the gateway took its core): the caller
+    takes its items back, every product is still right, and the late results are dropped."""
+    got = _products(CPUS[0], [CPUS[-1]], 5, stall_us=2000)
+    assert got["worst"] < 1e-6
+    assert got["taken_back"] > 0
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="one core: the worker starts no team")
+def test_a_float32_worker_on_the_team_matches_transformers(
+    spawn: Callable[..., ServerProcess], make_checkpoint: Callable[..., Path]
+) -> None:
+    """qwen2: biased qkv projections; prompts long enough for several row blocks per step."""
+    model_dir = make_checkpoint("qwen2", seed=3, **{**MICRO, "num_key_value_heads": 4})
+    prompts = [[(7 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((1, 60, 130))]
+    max_tokens = [40, 25, 30]
+    expected = hf_greedy(model_dir, prompts, max_tokens)
+    # Without the tests' one-thread default the worker binds its threads: the team's case.
+    stack = start_stack(spawn, model_dir, dtype="float32", worker_env={"OMP_NUM_THREADS": None})
+    team = [e for e in _events(stack.workers[0].output()) if e.get("event") == "cpu_team"]
+    assert team and team[0]["helpers"] == 1, stack.workers[0].output()[-2000:]
+    got = [greedy_to_length(stack.stub, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
+    assert got == expected
