@@ -14,8 +14,9 @@ changes: projections stay on oneDNN.
     start(helper_cpus)        helpers bound to those CPUs (-1: unbound); once per process
     active()                  whether the team runs
     taken_back()              items taken back from helpers so far
-    pack(weight)              the weight's panels for linear (a 3-D float32 tensor)
+    pack(weight, dtype)       the weight's panels for linear (a 3-D tensor)
     linear(x, panels, n, b)   x @ weight.T (+ b) on the team
+    runner_address(), hold()  for other kernels that run items on the team (csrc/team.h)
 
 `PAGEDSERVE_CPU_TEAM=0` keeps the OpenMP team and oneDNN.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import cpu_kernels
+from gpu_worker import cpu_isa, cpu_kernels
 
 SOURCE = Path(__file__).with_name("csrc") / "team_cpu.c"
 SWITCH = "PAGEDSERVE_CPU_TEAM"
@@ -63,28 +64,38 @@ def _load() -> ctypes.CDLL | None:
     lib.gemm_panel_width.restype = ctypes.c_int64
     lib.pack_f32.restype = None
     lib.pack_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.gemm_f32.restype = ctypes.c_uint64
-    lib.gemm_f32.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ]
+    lib.pack_bf16.restype = None
+    lib.pack_bf16.argtypes = lib.pack_f32.argtypes
+    lib.gemm_bf16_supported.restype = ctypes.c_int
+    for name in ("gemm_f32", "gemm_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_uint64
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
     return lib
 
 
 def wanted(device: str, dtype: torch.dtype, threads: int, bound: bool) -> bool:
-    """Whether a worker with these settings runs its float32 projections on the team."""
-    return (
-        os.environ.get(SWITCH, "1") != "0"
-        and device == "cpu"
-        and dtype == torch.float32
-        and bound
-        and 2 <= threads <= MAX_THREADS
-    )
+    """Whether a worker with these settings runs its projections on the team: float32, or
+    bfloat16 where the CPU has AVX512-BF16 but no AMX (oneDNN's AMX tiles outrun these
+    products several times over)."""
+    if os.environ.get(SWITCH, "1") == "0" or device != "cpu" or not bound:
+        return False
+    if not 2 <= threads <= MAX_THREADS:
+        return False
+    if dtype == torch.bfloat16:
+        if cpu_isa.bf16_isa() != "avx512_bf16":
+            return False
+        lib = _lib or _load()
+        return lib is not None and bool(lib.gemm_bf16_supported())
+    return dtype == torch.float32
 
 
 def start(helper_cpus: list[int], spin_us: int = SPIN_US, stall_us: int = 0) -> int:
@@ -110,26 +121,33 @@ def taken_back() -> int:
     return int(_lib.team_taken_back()) if _lib is not None else 0
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 `[N, K]` weight as `[ceil(N / width), K, width]` panels for `linear`."""
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An `[N, K]` weight as panels for `linear`, in `dtype`: float32 `[ceil(N / width), K,
+    width]`, bfloat16 `[ceil(N / width), ceil(K / 2), 2 * width]` (pairs of k per column)."""
     assert _lib is not None
     n, k = weight.shape
     width = int(_lib.gemm_panel_width())
-    w = weight.detach().to(torch.float32).contiguous()
-    panels = torch.empty(-(-n // width), k, width, dtype=torch.float32)
-    _lib.pack_f32(w.data_ptr(), n, k, panels.data_ptr())
+    w = weight.detach().to(dtype).contiguous()
+    if dtype == torch.bfloat16:
+        panels = torch.empty(-(-n // width), -(-k // 2), 2 * width, dtype=dtype)
+        _lib.pack_bf16(w.data_ptr(), n, k, panels.data_ptr())
+    else:
+        panels = torch.empty(-(-n // width), k, width, dtype=torch.float32)
+        _lib.pack_f32(w.data_ptr(), n, k, panels.data_ptr())
     return panels
 
 
 def linear(
     x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`x [M, K] @ weight.T (+ bias)` in float32 on the team, `panels` from `pack(weight)`."""
+    """`x [M, K] @ weight.T (+ bias)` on the team, in the panels' dtype (x and bias in it
+    too), `panels` from `pack(weight, dtype)`."""
     assert _lib is not None
     x = x.contiguous()
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    out = torch.empty(x.shape[0], n, dtype=panels.dtype)
     b = None if bias is None else bias.contiguous()
-    gen = _lib.gemm_f32(
+    gemm = _lib.gemm_bf16 if panels.dtype == torch.bfloat16 else _lib.gemm_f32
+    gen = gemm(
         x.data_ptr(),
         x.shape[0],
         x.shape[1],
@@ -138,12 +156,23 @@ def linear(
         None if b is None else b.data_ptr(),
         out.data_ptr(),
     )
+    hold(gen, x, b)
+    return out
+
+
+def hold(gen: int, *inputs: torch.Tensor | None) -> None:
+    """After a call that ran on the team and returned `gen`: keeps `inputs` alive while a
+    helper may still read them (gen nonzero), and lets go of earlier calls' that no helper
+    reads any more."""
     if gen:
-        _held.append((gen, x))
-        if b is not None and b is not bias:  # a contiguous copy of this call's
-            _held.append((gen, b))
-    if _held:
+        _held.extend((gen, t) for t in inputs if t is not None)
+    if _held and _lib is not None:
         left = _lib.team_left_gen()
         while _held and _held[0][0] <= left:
             _held.popleft()
-    return out
+
+
+def runner_address() -> int:
+    """The address of the team's `team_run_items` (csrc/team.h), for other kernels' libraries."""
+    assert _lib is not None
+    return int(ctypes.cast(_lib.team_run_items, ctypes.c_void_p).value or 0)

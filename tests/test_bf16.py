@@ -11,6 +11,7 @@ side runs as real worker and control-plane processes with `--dtype bfloat16`.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_worker import cpu_isa
 from gpu_worker.models import fused_ops
 from pagedserve.model_source import ensure_default_model
 from tests.oracle import hf_greedy_top, hf_model
@@ -105,6 +107,22 @@ def test_widened_bf16_close_to_transformers_bf16(
     stack = start_stack(spawn, model_dir, dtype="bfloat16")
     assert '"projections": "onednn-float32-widened"' in stack.worker.output()
     check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} widened/hf")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_on_the_cpu_team_close_to_transformers_bf16(
+    arch: str, make_checkpoint: Callable[..., Path], spawn: Callable[..., ServerProcess]
+) -> None:
+    """The CPU team's bf16 products (a worker whose threads are bound, on a CPU with
+    AVX512-BF16 and no AMX: tests/test_cpu_team.py) under the same rule."""
+    if cpu_isa.bf16_isa() != "avx512_bf16" or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the team takes bf16 products only on AVX512-BF16 without AMX, two cores up")
+    model_dir = make_checkpoint(arch, num_hidden_layers=2)
+    prompts = _prompts(6, 4096, seed=11)
+    theirs = hf_greedy_top(hf_model(model_dir, dtype=torch.bfloat16), prompts, 16, TOP)
+    stack = start_stack(spawn, model_dir, dtype="bfloat16", worker_env={"OMP_NUM_THREADS": None})
+    assert '"projections": "team-bfloat16"' in stack.worker.output()
+    check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} team/hf")
 
 
 def test_smollm2_close_to_transformers_bf16(spawn: Callable[..., ServerProcess]) -> None:

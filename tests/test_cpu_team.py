@@ -111,3 +111,32 @@ def test_a_float32_worker_on_the_team_matches_transformers(
     assert team and team[0]["helpers"] == 1, stack.workers[0].output()[-2000:]
     got = [greedy_to_length(stack.stub, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
     assert got == expected
+
+
+DECODE = """
+import json, os, torch
+from gpu_worker import cpu_team
+from tests.test_cpu_fast_paths import SHAPES, _decode_case, _run_decode
+os.sched_setaffinity(0, {CALLER})
+dtypes = (torch.float32, torch.bfloat16)
+cases = [(_decode_case(*shape, dt), dt) for shape in SHAPES for dt in dtypes]
+alone = [_run_decode(c, dtype) for c, dtype in cases]  # OpenMP, one thread
+assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
+same = all(torch.equal(_run_decode(c, dtype), want) for (c, dtype), want in zip(cases, alone))
+again = all(torch.equal(_run_decode(c, dtype), want) for (c, dtype), want in zip(cases, alone))
+print(json.dumps({"same": same and again, "taken_back": cpu_team.taken_back()}))
+"""
+
+
+@pytest.mark.parametrize("stall_us", [0, 2000])
+def test_decode_attention_on_the_team_equals_its_openmp_path(stall_us: int) -> None:
+    """Each sequence's heads are the same arithmetic wherever they run: bit for bit, with a
+    helper on a core of its own and with one that stalls after every item."""
+    helper = CPUS[-1] if len(CPUS) > 1 or stall_us else None
+    if helper is None:
+        pytest.skip("one core: no helper on a core of its own")
+    script = DECODE.replace("CALLER", str(CPUS[0])).replace("HELPERS", repr([helper]))
+    got = _child(script.replace("STALL", str(stall_us)))
+    assert got["same"]
+    if stall_us:
+        assert got["taken_back"] > 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import cpu_kernels
+from gpu_worker import cpu_kernels, cpu_team
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
 TILE = 16  # head sizes must be a multiple of it (TILE in the C source)
@@ -26,9 +26,10 @@ MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in the C source
 ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ARGTYPES = {
-    name: [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, *[_I32] * 6, _F32, _I32]
+    name: [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, *[_I32] * 6, _F32, _I32, _P]
     for name in ENTRY_POINTS.values()
 }
+_on_team: set[int] = set()  # ids of the libraries told the team's address
 
 
 def supports(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
@@ -64,6 +65,12 @@ def paged_decode(
     lib = load()
     assert lib is not None, "the CPU decode kernel is not available"
     fn = getattr(lib, ENTRY_POINTS[k_cache.dtype])
+    gen = None
+    if cpu_team.active():  # the items on the team (its generation back in `gen`)
+        if id(lib) not in _on_team:
+            lib.paged_decode_set_team(ctypes.c_void_p(cpu_team.runner_address()))
+            _on_team.add(id(lib))
+        gen = ctypes.c_uint64(0)
     num_seqs = rows.shape[0]
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -94,7 +101,10 @@ def paged_decode(
         max(max_len, 1),
         scale,
         torch.get_num_threads(),
+        None if gen is None else ctypes.byref(gen),
     )
+    if gen is not None:
+        cpu_team.hold(gen.value, q, rows, block_tables, seq_lens)
     if failed == 1:
         raise MemoryError("the CPU decode kernel could not allocate its scratch space")
     if failed:

@@ -8,7 +8,7 @@
  * millisecond on each core. Here the calling thread (the model's) works with helper threads
  * on a shared list of items and never waits for a helper that has lost its core:
  *
- *   team_run(items):  the caller claims items from the front, the helpers from the back, each
+ *   team_run_items:   the caller claims items from the front, the helpers from the back, each
  *                     by compare-and-swap on the item's state, so no item is done twice by
  *                     choice. A helper computes into its own scratch and copies the result
  *                     out only after a second compare-and-swap (HELPER -> COPYING). When the
@@ -24,12 +24,13 @@
  * returns. Helpers spin `spin_us` after a job, then sleep on a futex.
  *
  * The products: `gemm_f32` computes x @ w.T (+ bias) for a weight packed by `pack_f32` into
- * panels of NR columns ([panels][K][NR], zero-padded), one item per (ROWS_PER_ITEM rows, panel),
+ * panels of NR columns ([panels][K][NR], zero-padded), one item per (rows, panel),
  * with an MR x NR register block (16-float vectors from simd16.h: NR = 32 on AVX-512, 16 on
  * narrower SIMD). Linux only (futex, CPU affinity).
  */
 #define _GNU_SOURCE
 #include "simd16.h"
+#include "team.h"
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -52,16 +53,16 @@
 enum { FREE = 0, MAIN = 1, HELPER = 2, COPYING = 3, DONE = 4, STOLEN = 5 };
 #define MAX_ITEMS 16384
 #define MAX_HELPERS 15
-#define SCRATCH_FLOATS (64 * 1024)
-#define PARAM_BYTES 256
+#define SCRATCH_FLOATS (64 * 1024) /* a helper's scratch at least; a job may ask more */
+#define PARAM_BYTES TEAM_PARAM_BYTES
 
-typedef void (*item_fn)(const void *params, int64_t item, float *scratch);
-typedef void (*copy_fn)(const void *params, int64_t item, const float *scratch);
+typedef team_item_fn item_fn;
+typedef team_copy_fn copy_fn;
 
 typedef struct {
     item_fn run;
     copy_fn copy;
-    int64_t n_items;
+    int64_t n_items, scratch_floats;
     _Alignas(16) char params[PARAM_BYTES];
 } job_t;
 
@@ -107,7 +108,8 @@ static uint64_t await_job(uint64_t seen) {
 
 static void *helper_main(void *arg) {
     const int h = (int)(intptr_t)arg;
-    float *scratch = aligned_alloc(64, SCRATCH_FLOATS * sizeof(float));
+    int64_t capacity = SCRATCH_FLOATS;
+    float *scratch = aligned_alloc(64, (size_t)capacity * sizeof(float));
     if (scratch == NULL) return NULL;
     uint64_t seen = 0;
     job_t local;
@@ -118,6 +120,16 @@ static void *helper_main(void *arg) {
         if (atomic_load_explicit(&job_gen, memory_order_relaxed) != g) continue;
         seen = g;
         const uint64_t gen = g >> 1;
+        if (local.scratch_floats > capacity) { /* sized in whole 64-byte lines */
+            float *bigger = aligned_alloc(64, (size_t)(local.scratch_floats + 15) / 16 * 64);
+            if (bigger == NULL) { /* no share in this job: the caller does it all */
+                atomic_store_explicit(&left_gen[h], gen, memory_order_release);
+                continue;
+            }
+            free(scratch);
+            scratch = bigger;
+            capacity = local.scratch_floats;
+        }
         for (int64_t i = local.n_items - 1; i >= 0; i--) {
             uint64_t expect = st(gen, FREE);
             if (!atomic_compare_exchange_strong(&states[i], &expect, st(gen, HELPER))) {
@@ -174,10 +186,10 @@ uint64_t team_left_gen(void) {
     return m;
 }
 
-/* Runs items 0..n-1 with the helpers. Returns this job's generation if a helper may still read
- * its inputs (an item was taken back from it), else 0. */
-static uint64_t team_run(item_fn run, copy_fn copy, const void *params, size_t psize,
-                         int64_t n) {
+/* Runs items 0..n-1 with the helpers (team.h). Returns this job's generation if a helper may
+ * still read its inputs (an item was taken back from it), else 0. */
+uint64_t team_run_items(item_fn run, copy_fn copy, const void *params, size_t psize, int64_t n,
+                        int64_t scratch_floats) {
     if (num_helpers == 0 || n < 2 || n > MAX_ITEMS || psize > PARAM_BYTES) {
         for (int64_t i = 0; i < n; i++) run(params, i, NULL);
         return 0;
@@ -187,6 +199,7 @@ static uint64_t team_run(item_fn run, copy_fn copy, const void *params, size_t p
     job.run = run;
     job.copy = copy;
     job.n_items = n;
+    job.scratch_floats = scratch_floats;
     memcpy(job.params, params, psize);
     for (int64_t i = 0; i < n; i++)
         atomic_store_explicit(&states[i], st(gen, FREE), memory_order_relaxed);
@@ -241,7 +254,12 @@ static uint64_t team_run(item_fn run, copy_fn copy, const void *params, size_t p
 #endif
 #define NR (NV * W16)
 #define MR 6
-#define ROWS_PER_ITEM 48 /* a multiple of MR; ROWS_PER_ITEM * NR fits a helper's scratch */
+/* An item's rows: all of them up to WHOLE_ROWS (a decode step: each panel is read once and
+ * stays in L1 across the rows), else blocks of ROWS_PER_ITEM (a multiple of MR); either fits a
+ * helper's scratch. */
+#define ROWS_PER_ITEM 96
+#define WHOLE_ROWS 128
+static inline int64_t item_rows_of(int64_t m) { return m <= WHOLE_ROWS ? m : ROWS_PER_ITEM; }
 
 int64_t gemm_panel_width(void) { return NR; }
 
@@ -286,7 +304,7 @@ static inline __attribute__((always_inline)) void micro(const float *a, int64_t 
 typedef struct {
     const float *a, *wp, *bias;
     float *c;
-    int64_t m, k, n, panels;
+    int64_t m, k, n, panels, rows; /* rows: an item's */
 } gemm_params;
 
 /* Rows [r0, r1) of panel p into c (row stride ldc). */
@@ -319,8 +337,8 @@ static void gemm_block(const gemm_params *g, int64_t r0, int64_t r1, int64_t p, 
 static inline void item_rows(const gemm_params *g, int64_t item, int64_t *p, int64_t *r0,
                              int64_t *r1) {
     *p = item % g->panels;
-    *r0 = item / g->panels * ROWS_PER_ITEM;
-    *r1 = *r0 + ROWS_PER_ITEM < g->m ? *r0 + ROWS_PER_ITEM : g->m;
+    *r0 = item / g->panels * g->rows;
+    *r1 = *r0 + g->rows < g->m ? *r0 + g->rows : g->m;
 }
 
 static void gemm_item(const void *params, int64_t item, float *scratch) {
@@ -343,13 +361,13 @@ static void gemm_copy(const void *params, int64_t item, const float *scratch) {
 }
 
 /* c [m, n] = a [m, k] @ w.T (+ bias [n], or NULL), w packed by pack_f32; a and c contiguous.
- * Returns team_run's generation (nonzero: keep `a` alive until team_left_gen() reaches it). */
+ * Returns team_run_items' generation (nonzero: keep `a` alive until team_left_gen() reaches it). */
 uint64_t gemm_f32(const float *a, int64_t m, int64_t k, const float *wp, int64_t n,
                   const float *bias, float *c) {
-    const gemm_params g = {a, wp, bias, c, m, k, n, (n + NR - 1) / NR};
-    const int64_t items = g.panels * ((m + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
+    const gemm_params g = {a, wp, bias, c, m, k, n, (n + NR - 1) / NR, item_rows_of(m)};
+    const int64_t items = g.panels * ((m + g.rows - 1) / g.rows);
     if (items > MAX_ITEMS) { /* as one job per slice of rows */
-        const int64_t rows = MAX_ITEMS / g.panels * ROWS_PER_ITEM;
+        const int64_t rows = MAX_ITEMS / g.panels * g.rows;
         uint64_t last = 0;
         for (int64_t r = 0; r < m; r += rows) {
             const uint64_t gen = gemm_f32(a + r * k, m - r < rows ? m - r : rows, k, wp, n, bias,
@@ -358,5 +376,164 @@ uint64_t gemm_f32(const float *a, int64_t m, int64_t k, const float *wp, int64_t
         }
         return last;
     }
-    return team_run(gemm_item, gemm_copy, &g, sizeof g, items);
+    return team_run_items(gemm_item, gemm_copy, &g, sizeof g, items, 0);
+}
+
+/* ---- bfloat16 products (AVX512-BF16) ------------------------------------------------------- */
+
+/* Where the CPU has AVX512-BF16: a bf16 weight packed as [panels][ceil(K/2)][NR][2] (each
+ * column's pairs of consecutive k, as vdpbf16ps takes them; zero past n and past an odd K),
+ * products exact and sums in float32, the output rounded once to bf16 (ties to even). */
+int gemm_bf16_supported(void) {
+#if defined(__AVX512BF16__) && NV == 2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t q = 0; q < kp; q++)
+            for (int64_t j = 0; j < NR; j++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t col = p * NR + j, kk = 2 * q + e;
+                    out[((p * kp + q) * NR + j) * 2 + e] =
+                        col < n && kk < k ? w[col * k + kk] : (uint16_t)0;
+                }
+}
+
+#if defined(__AVX512BF16__) && NV == 2
+typedef struct {
+    const uint16_t *a, *wp, *bias;
+    uint16_t *c;
+    int64_t m, k, n, panels, rows;
+} gemm16_params;
+
+/* The pair of a's row at k-pair q as one 32-bit lane pattern (the odd tail paired with 0). */
+static inline uint32_t a_pair(const uint16_t *row, int64_t q, int64_t k) {
+    if (2 * q + 1 < k) {
+        uint32_t v;
+        memcpy(&v, row + 2 * q, sizeof v);
+        return v;
+    }
+    return row[2 * q];
+}
+
+static inline __attribute__((always_inline)) void micro16(const uint16_t *a, int64_t lda,
+                                                          const uint16_t *bp, int64_t k,
+                                                          uint16_t *c, int64_t ldc,
+                                                          int64_t ncols, const float *bias,
+                                                          const int mr) {
+    __m512 acc[MR][2];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < 2; v++)
+            acc[r][v] = bias ? _mm512_loadu_ps(bias + v * W16) : _mm512_setzero_ps();
+    const int64_t kp = (k + 1) / 2, full = k / 2;
+    for (int64_t q = 0; q < full; q++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR + NR);
+        for (int r = 0; r < mr; r++) {
+            uint32_t pair;
+            memcpy(&pair, a + r * lda + 2 * q, sizeof pair);
+            const __m512bh s = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], s, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], s, b1);
+        }
+    }
+    for (int64_t q = full; q < kp; q++) { /* an odd K's last k, paired with zero */
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR + NR);
+        for (int r = 0; r < mr; r++) {
+            const __m512bh s = (__m512bh)_mm512_set1_epi32((int)a_pair(a + r * lda, q, k));
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], s, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], s, b1);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        if (ncols == NR) {
+            for (int v = 0; v < 2; v++) store_bf16x16(c + r * ldc + v * W16, (v16)acc[r][v]);
+        } else {
+            uint16_t tmp[NR];
+            for (int v = 0; v < 2; v++) store_bf16x16(tmp + v * W16, (v16)acc[r][v]);
+            memcpy(c + r * ldc, tmp, (size_t)ncols * sizeof(uint16_t));
+        }
+    }
+}
+
+static void gemm16_block(const gemm16_params *g, int64_t r0, int64_t r1, int64_t p, uint16_t *c,
+                         int64_t ldc) {
+    const uint16_t *bp = g->wp + p * ((g->k + 1) / 2) * 2 * NR;
+    const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
+    float bias[NR];
+    if (g->bias) {
+        for (int64_t j = 0; j < NR; j++) bias[j] = j < ncols ? bf16_widen(g->bias[p * NR + j]) : 0.f;
+    }
+    const float *b = g->bias ? bias : NULL;
+    int64_t r = r0;
+    for (; r + MR <= r1; r += MR)
+        micro16(g->a + r * g->k, g->k, bp, g->k, c + (r - r0) * ldc, ldc, ncols, b, MR);
+    const uint16_t *a = g->a + r * g->k;
+    uint16_t *cc = c + (r - r0) * ldc;
+    switch (r1 - r) {
+    case 5: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 5); break;
+    case 4: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 4); break;
+    case 3: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 3); break;
+    case 2: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 2); break;
+    case 1: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 1); break;
+    default: break;
+    }
+}
+
+static inline void item_rows16(const gemm16_params *g, int64_t item, int64_t *p, int64_t *r0,
+                               int64_t *r1) {
+    *p = item % g->panels;
+    *r0 = item / g->panels * g->rows;
+    *r1 = *r0 + g->rows < g->m ? *r0 + g->rows : g->m;
+}
+
+static void gemm16_item(const void *params, int64_t item, float *scratch) {
+    const gemm16_params *g = params;
+    int64_t p, r0, r1;
+    item_rows16(g, item, &p, &r0, &r1);
+    if (scratch)
+        gemm16_block(g, r0, r1, p, (uint16_t *)scratch, NR);
+    else
+        gemm16_block(g, r0, r1, p, g->c + r0 * g->n + p * NR, g->n);
+}
+
+static void gemm16_copy(const void *params, int64_t item, const float *scratch) {
+    const gemm16_params *g = params;
+    int64_t p, r0, r1;
+    item_rows16(g, item, &p, &r0, &r1);
+    const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
+    const uint16_t *s = (const uint16_t *)scratch;
+    for (int64_t r = r0; r < r1; r++)
+        memcpy(g->c + r * g->n + p * NR, s + (r - r0) * NR, (size_t)ncols * sizeof(uint16_t));
+}
+#endif
+
+/* c [m, n] = a [m, k] @ w.T (+ bias [n], or NULL), all bf16, w packed by pack_bf16; as
+ * gemm_f32 otherwise. Returns (uint64_t)-1 where the CPU has no AVX512-BF16. */
+uint64_t gemm_bf16(const uint16_t *a, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
+                   const uint16_t *bias, uint16_t *c) {
+#if defined(__AVX512BF16__) && NV == 2
+    const gemm16_params g = {a, wp, bias, c, m, k, n, (n + NR - 1) / NR, item_rows_of(m)};
+    const int64_t items = g.panels * ((m + g.rows - 1) / g.rows);
+    if (items > MAX_ITEMS) {
+        const int64_t rows = MAX_ITEMS / g.panels * g.rows;
+        uint64_t last = 0;
+        for (int64_t r = 0; r < m; r += rows) {
+            const uint64_t gen = gemm_bf16(a + r * k, m - r < rows ? m - r : rows, k, wp, n,
+                                           bias, c + r * n);
+            if (gen) last = gen;
+        }
+        return last;
+    }
+    return team_run_items(gemm16_item, gemm16_copy, &g, sizeof g, items, 0);
+#else
+    (void)a, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)c;
+    return (uint64_t)-1;
+#endif
 }

@@ -106,10 +106,10 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """oneDNN's copy of `weight` in `dtype`; in float32 where the worker runs the CPU team,
-    `cpu_team`'s panels instead (3-D, which `_linear` tells apart)."""
-    if dtype == torch.float32 and weight.device.type == "cpu" and cpu_team.active():
-        return cpu_team.pack(weight)
+    """oneDNN's copy of `weight` in `dtype`; where the worker runs the CPU team, `cpu_team`'s
+    panels instead (3-D, which `_linear` tells apart)."""
+    if weight.device.type == "cpu" and cpu_team.active():
+        return cpu_team.pack(weight, dtype)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), PACK_BATCH_HINT)
 
 
@@ -120,9 +120,10 @@ def _linear(
     when that copy is float32 and `x` is not)."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if packed.dim() == 3:  # the CPU team's panels (float32)
-        if x.dtype != torch.float32:
-            return cpu_team.linear(x.float(), packed, weight.shape[0], bias).to(x.dtype)
+    if packed.dim() == 3:  # the CPU team's panels
+        if x.dtype != packed.dtype:  # widened
+            b = None if bias is None else bias.to(packed.dtype)
+            return cpu_team.linear(x.to(packed.dtype), packed, weight.shape[0], b).to(x.dtype)
         return cpu_team.linear(x, packed, weight.shape[0], bias)
     if packed.dtype != x.dtype:  # widened: one rounding, of the output
         b = None if bias is None else bias.to(packed.dtype)
@@ -358,7 +359,7 @@ class CausalLM(nn.Module):
         if packed is None:
             return "F.linear"
         if packed.dim() == 3:
-            return "team-float32"
+            return f"team-{str(packed.dtype).removeprefix('torch.')}"
         name = f"onednn-{str(packed.dtype).removeprefix('torch.')}"
         return name + "-widened" if packed.dtype != self.dtype else name
 

@@ -38,11 +38,18 @@
  *
  * Vectors and bf16 conversions come from simd16.h (16-float vectors the compiler maps onto the
  * machine's SIMD; a bf16 load is one widening). Threads: OpenMP, the same libgomp torch has
- * loaded.
+ * loaded; or, where the worker runs the CPU team (team.h, `paged_decode_set_team`) and the
+ * caller passes `team_gen`, the team: the same items, a helper's output written to its scratch
+ * and copied out.
  */
 #include <stdlib.h>
 
 #include "simd16.h"
+#include "team.h"
+
+static team_run_fn team_runner;
+
+void paged_decode_set_team(void *runner) { team_runner = (team_run_fn)runner; }
 
 #define TILE W16
 #define MAX_HEAD_DIM 256
@@ -303,18 +310,87 @@ static inline __attribute__((always_inline)) void decode_heads(
             store_elem(o, h0 + (int64_t)i * D + d, acc[(int64_t)i * D + d] * inv[i], bf16);
 }
 
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *rows;
+    const int32_t *block_tables, *seq_lens;
+    void *out;
+    float *main_buf; /* the calling thread's scratch */
+    int64_t q_token_stride, table_stride;
+    int num_heads, num_kv_heads, head_dim, block_size, stride, splits, ng, rep, bf16;
+    float scale;
+} decode_job;
+
+/* Item `item` with scratch `buf` (scores, q, accumulators), its output to `o_base` (laid out
+ * as `out`'s token row: head h at o_base + h * D elements). */
+static inline __attribute__((always_inline)) void decode_item_into(const decode_job *j,
+                                                                   int64_t item, float *buf,
+                                                                   char *o_base, const int bf16) {
+    const int s = (int)(item / j->splits), g0 = (int)(item % j->splits) * j->ng;
+    const int esize = bf16 ? 2 : 4;
+    float *scores = buf, *qbuf = buf + (size_t)j->ng * j->rep * j->stride;
+    float *acc = qbuf + (size_t)j->ng * j->rep * j->head_dim;
+    const char *qs = (const char *)j->q + j->rows[s] * j->q_token_stride * esize;
+    const int32_t *table = j->block_tables + (int64_t)s * j->table_stride;
+#define DECODE(D)                                                                              \
+    decode_heads(qs, j->k_cache, j->v_cache, table, j->seq_lens[s], o_base, scores, qbuf, acc, \
+                 g0, j->ng, j->rep, j->num_kv_heads, D, j->block_size, j->stride, j->scale,    \
+                 bf16)
+    switch (j->head_dim) {
+    case 32: DECODE(32); break;
+    case 64: DECODE(64); break;
+    case 128: DECODE(128); break;
+    default: DECODE(j->head_dim); break;
+    }
+#undef DECODE
+}
+
+static size_t decode_scratch(const decode_job *j) {
+    return (size_t)j->ng * j->rep * ((size_t)j->stride + 2 * (size_t)j->head_dim);
+}
+
+static void decode_item(const void *params, int64_t item, float *scratch) {
+    const decode_job *j = params;
+    const int esize = j->bf16 ? 2 : 4, s = (int)(item / j->splits);
+    const int64_t row = (int64_t)j->num_heads * j->head_dim; /* elements per output token */
+    char *o = (char *)j->out + j->rows[s] * row * esize;
+    float *buf = j->main_buf;
+    if (scratch) { /* a helper: work in its scratch, the output after it (copied out later) */
+        buf = scratch;
+        const int64_t h0 = (int64_t)(item % j->splits) * j->ng * j->rep * j->head_dim;
+        o = (char *)(scratch + decode_scratch(j)) - h0 * esize;
+    }
+    if (j->bf16)
+        decode_item_into(j, item, buf, o, 1);
+    else
+        decode_item_into(j, item, buf, o, 0);
+}
+
+static void decode_copy(const void *params, int64_t item, const float *scratch) {
+    const decode_job *j = params;
+    const int esize = j->bf16 ? 2 : 4, s = (int)(item / j->splits);
+    const int64_t row = (int64_t)j->num_heads * j->head_dim;
+    const int64_t h0 = (int64_t)(item % j->splits) * j->ng * j->rep * j->head_dim;
+    const size_t bytes = (size_t)j->ng * j->rep * j->head_dim * esize;
+    memcpy((char *)j->out + (j->rows[s] * row + h0) * esize, scratch + decode_scratch(j), bytes);
+}
+
 /* Return codes: 0 ok, 1 out of memory, 2 bad head counts or head size, 3 a length outside
- * 1..max_len. */
+ * 1..max_len. With `team_gen` (not NULL) and a team set, the items run on the team and
+ * *team_gen receives team.h's generation. */
 static inline __attribute__((always_inline)) int paged_decode(
     const void *q, int64_t q_token_stride, const int64_t *rows, const void *k_cache,
     const void *v_cache, const int32_t *block_tables, int64_t table_stride,
     const int32_t *seq_lens, void *out, int num_seqs, int num_heads, int num_kv_heads,
-    int head_dim, int block_size, int max_len, float scale, int num_threads, const int bf16) {
+    int head_dim, int block_size, int max_len, float scale, int num_threads, const int bf16,
+    uint64_t *team_gen) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim % TILE != 0 ||
         head_dim < TILE || head_dim > MAX_HEAD_DIM)
         return 2;
     const int rep = num_heads / num_kv_heads, esize = bf16 ? 2 : 4;
     const int stride = (max_len + TILE - 1) / TILE * TILE;
+    const int on_team = team_gen != NULL && team_runner != NULL;
+    if (on_team) num_threads = 2; /* the caller and (at least) one helper */
     /* Each item is a sequence's kv heads split `splits` ways: whole rows (one contiguous run
      * per block) when there are sequences enough to keep every thread busy, else the fewest
      * splits that give each thread two items. */
@@ -327,6 +403,22 @@ static inline __attribute__((always_inline)) int paged_decode(
     /* A multiple of TILE floats (64 bytes), as aligned_alloc wants. */
     const size_t scratch = (size_t)ng * rep * ((size_t)stride + 2 * (size_t)head_dim);
     const int items = num_seqs * splits;
+    if (on_team) {
+        *team_gen = 0;
+        for (int s = 0; s < num_seqs; s++)
+            if (seq_lens[s] < 1 || seq_lens[s] > max_len) return 3;
+        float *buf = (float *)aligned_alloc(64, sizeof(float) * scratch);
+        if (buf == NULL) return 1;
+        const decode_job j = {q,      k_cache,   v_cache,    rows,         block_tables,
+                              seq_lens, out,     buf,        q_token_stride, table_stride,
+                              num_heads, num_kv_heads, head_dim, block_size, stride,
+                              splits, ng,        rep,        bf16,         scale};
+        /* a helper's scratch: the work buffers, then its item's output */
+        const int64_t helper_floats = (int64_t)scratch + (int64_t)ng * rep * head_dim;
+        *team_gen = team_runner(decode_item, decode_copy, &j, sizeof j, items, helper_floats);
+        free(buf);
+        return 0;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -369,18 +461,19 @@ int paged_decode_f32(const float *q, int64_t q_token_stride, const int64_t *rows
                      const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      int64_t table_stride, const int32_t *seq_lens, float *out, int num_seqs,
                      int num_heads, int num_kv_heads, int head_dim, int block_size, int max_len,
-                     float scale, int num_threads) {
+                     float scale, int num_threads, uint64_t *team_gen) {
     return paged_decode(q, q_token_stride, rows, k_cache, v_cache, block_tables, table_stride,
                         seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                        max_len, scale, num_threads, 0);
+                        max_len, scale, num_threads, 0, team_gen);
 }
 
 int paged_decode_bf16(const uint16_t *q, int64_t q_token_stride, const int64_t *rows,
                       const uint16_t *k_cache, const uint16_t *v_cache,
                       const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                       uint16_t *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                      int block_size, int max_len, float scale, int num_threads) {
+                      int block_size, int max_len, float scale, int num_threads,
+                      uint64_t *team_gen) {
     return paged_decode(q, q_token_stride, rows, k_cache, v_cache, block_tables, table_stride,
                         seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                        max_len, scale, num_threads, 1);
+                        max_len, scale, num_threads, 1, team_gen);
 }
