@@ -16,7 +16,8 @@ changes: projections stay on oneDNN.
     taken_back()              items taken back from helpers so far
     pack(weight, dtype)       the weight's panels for linear (a 3-D tensor)
     linear(x, panels, n, b)   x @ weight.T (+ b) on the team
-    runner_address(), hold()  for other kernels that run items on the team (csrc/team.h)
+    runner_address(), left_gen_address(), hold()
+                              for other kernels that run items on the team (csrc/team.h)
 
 `PAGEDSERVE_CPU_TEAM=0` keeps the OpenMP team and oneDNN.
 """
@@ -176,3 +177,9 @@ def runner_address() -> int:
     """The address of the team's `team_run_items` (csrc/team.h), for other kernels' libraries."""
     assert _lib is not None
     return int(ctypes.cast(_lib.team_run_items, ctypes.c_void_p).value or 0)
+
+
+def left_gen_address() -> int:
+    """The address of the team's `team_left_gen` (csrc/team.h)."""
+    assert _lib is not None
+    return int(ctypes.cast(_lib.team_left_gen, ctypes.c_void_p).value or 0)

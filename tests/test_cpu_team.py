@@ -140,3 +140,52 @@ def test_decode_attention_on_the_team_equals_its_openmp_path(stall_us: int) -> N
     assert got["same"]
     if stall_us:
         assert got["taken_back"] > 0
+
+
+PREFILL = """
+import json, os, torch
+from gpu_worker import cpu_team
+from gpu_worker.attention import cpu_prefill
+from tests.test_cpu_prefill_kernel import LENS, SHAPES
+os.sched_setaffinity(0, {CALLER})
+
+def case(h, kv, d, dtype, lens):
+    torch.manual_seed(h * 100 + d)
+    starts, at = [], 3
+    for n in lens:
+        starts.append(at)
+        at += n + 2
+    qkv = torch.randn(at, h + 2 * kv, d).to(dtype)
+    return (qkv[:, :h], qkv[:, h : h + kv], qkv[:, h + kv :],
+            torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+
+def run(c):
+    q, k, v, starts, lens = c
+    out = torch.full(q.shape, 7.0, dtype=q.dtype)
+    cpu_prefill.prefill_attention(out, q, k, v, starts, lens, q.shape[2] ** -0.5)
+    return out
+
+dtypes = (torch.float32, torch.bfloat16)
+# every shape, then fewer and longer segments (the buffer of phase 1 grows)
+cases = [case(*shape, dt, LENS) for shape in SHAPES for dt in dtypes]
+cases += [case(12, 4, 64, dt, [300, 7]) for dt in dtypes]
+alone = [run(c) for c in cases]  # OpenMP, one thread
+assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
+same = all(torch.equal(run(c), want) for c, want in zip(cases, alone))
+again = all(torch.equal(run(c), want) for c, want in zip(cases, alone))
+print(json.dumps({"same": same and again, "taken_back": cpu_team.taken_back()}))
+"""
+
+
+@pytest.mark.parametrize("stall_us", [0, 500])
+def test_prompt_attention_on_the_team_equals_its_openmp_path(stall_us: int) -> None:
+    """Phase 2's tiles on the team, bit for bit as on OpenMP; with a stalling helper, its
+    tiles taken back while later calls leave the buffer it may still read alone."""
+    helper = CPUS[-1] if len(CPUS) > 1 or stall_us else None
+    if helper is None:
+        pytest.skip("one core: no helper on a core of its own")
+    script = PREFILL.replace("CALLER", str(CPUS[0])).replace("HELPERS", repr([helper]))
+    got = _child(script.replace("STALL", str(stall_us)))
+    assert got["same"]
+    if stall_us:
+        assert got["taken_back"] > 0

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import cpu_isa, cpu_kernels
+from gpu_worker import cpu_isa, cpu_kernels, cpu_team
 from gpu_worker.attention import cpu_decode
 
 SOURCE = Path(__file__).with_name("csrc") / "prefill_attention_cpu.c"
@@ -34,8 +34,10 @@ ENTRY_POINTS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill
 ARGTYPES = {
     name: [*[ctypes.c_void_p, ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p]
     + [ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 3, ctypes.c_float, ctypes.c_int]
+    + [ctypes.c_void_p]
     for name in ENTRY_POINTS.values()
 }
+_on_team: set[int] = set()  # ids of the libraries told the team's addresses
 # The head sizes and dtypes the decode kernel takes (the same TILE and MAX_HEAD_DIM in C).
 supports = cpu_decode.supports
 
@@ -83,6 +85,13 @@ def prefill_attention(
     lib = load()
     assert lib is not None, "the CPU prefill kernel is not available"
     fn = getattr(lib, ENTRY_POINTS[q.dtype])
+    gen = None
+    if cpu_team.active():  # phase 2 on the team (its generation back in `gen`)
+        if id(lib) not in _on_team:
+            runner, left = cpu_team.runner_address(), cpu_team.left_gen_address()
+            lib.prefill_attention_set_team(ctypes.c_void_p(runner), ctypes.c_void_p(left))
+            _on_team.add(id(lib))
+        gen = ctypes.c_uint64(0)
     _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert supports(head_dim, q.dtype) and num_heads % num_kv_heads == 0
@@ -108,7 +117,10 @@ def prefill_attention(
         head_dim,
         scale,
         torch.get_num_threads(),
+        None if gen is None else ctypes.byref(gen),
     )
+    if gen is not None:
+        cpu_team.hold(gen.value, q, starts, lens)
     if failed == 1:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch space")
     if failed:

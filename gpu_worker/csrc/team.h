@@ -22,5 +22,7 @@ typedef void (*team_item_fn)(const void *params, int64_t item, float *scratch);
 typedef void (*team_copy_fn)(const void *params, int64_t item, const float *scratch);
 typedef uint64_t (*team_run_fn)(team_item_fn run, team_copy_fn copy, const void *params,
                                 size_t psize, int64_t n, int64_t scratch_floats);
+/* team_left_gen: every generation at or below it no helper reads any more. */
+typedef uint64_t (*team_left_fn)(void);
 
 #endif

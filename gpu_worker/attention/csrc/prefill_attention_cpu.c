@@ -24,10 +24,25 @@
  *
  * Whole key tiles throughout: keys past a row's position get zero weight
  * (softmax_weights16).
+ *
+ * On the CPU team (team.h; `prefill_attention_set_team`, and the caller passes `team_gen`):
+ * phase 1 on the calling thread, phase 2's items on the team, a helper's rows written to its
+ * scratch and copied out. Phase 1's buffer (`arena`) then outlives the call: a helper whose
+ * item was taken back may still read it, so until every helper has left that call the next
+ * one takes a fresh buffer and the old one waits in `retired`.
  */
 #include <stdlib.h>
 
 #include "simd16.h"
+#include "team.h"
+
+static team_run_fn team_runner;
+static team_left_fn team_left;
+
+void prefill_attention_set_team(void *runner, void *left) {
+    team_runner = (team_run_fn)runner;
+    team_left = (team_left_fn)left;
+}
 
 #define TILE W16
 #define MAX_HEAD_DIM 256
@@ -91,45 +106,159 @@ static inline __attribute__((always_inline)) void rows_block(
     }
 }
 
+/* Phase 2's item `it` (latest tiles first) into `oh0` + head h's columns, rows `out_stride`
+ * elements apart from the segment's row 0; scores: R rows of the step's widest segment. */
+typedef struct {
+    const void *q;
+    const float *kv;
+    const int64_t *base;
+    const int *first_item;
+    const int32_t *lens;
+    void *out; /* the segment rows' output, or NULL for a helper's scratch */
+    const int32_t *starts;
+    float *main_scores;
+    int64_t q_stride;
+    int num_heads, rep, D, max_ld, bf16, items;
+    float scale;
+} prefill_job;
+
+static inline __attribute__((always_inline)) void phase2_item(
+    const void *q, int64_t q_stride, const float *kv, const int64_t *base, const int *first_item,
+    const int32_t *starts, const int32_t *lens, int it, int num_heads, int rep, int D,
+    float scale, float *scores, char *oh_override, int64_t override_stride, void *out,
+    const int bf16) {
+    const int esize = bf16 ? 2 : 4;
+    int s = 0;
+    while (first_item[s + 1] <= it) s++;
+    const int local = it - first_item[s], tiles = (lens[s] + QT - 1) / QT;
+    const int h = local / tiles, tile = local % tiles, g = h / rep, L = lens[s];
+    const int ld = (L + TILE - 1) / TILE * TILE;
+    const float *kt = kv + base[s] + (int64_t)g * 2 * D * ld, *vf = kt + (int64_t)D * ld;
+    const char *qh = (const char *)q + ((int64_t)starts[s] * q_stride + h * D) * esize;
+    char *oh = oh_override ? oh_override - (int64_t)tile * QT * override_stride * esize
+                           : (char *)out + ((int64_t)starts[s] * num_heads * D + h * D) * esize;
+    const int64_t ostride = oh_override ? override_stride : (int64_t)num_heads * D;
+    const int end = (tile + 1) * QT < L ? (tile + 1) * QT : L;
+    for (int i0 = tile * QT; i0 < end; i0 += R) {
+        const int nr = end - i0 < R ? end - i0 : R;
+#define BLOCK(DIM) rows_block(qh, q_stride, kt, vf, ld, i0, nr, oh, ostride, scores, DIM, scale, bf16)
+        switch (D) {
+        case 64: BLOCK(64); break;
+        case 128: BLOCK(128); break;
+        default: BLOCK(D); break;
+        }
+#undef BLOCK
+    }
+}
+
+/* Items run high to low, as the OpenMP loop does: the long late tiles first. */
+static void prefill_item(const void *params, int64_t item, float *scratch) {
+    const prefill_job *j = params;
+    const int it = j->items - 1 - (int)item;
+    float *scores = scratch ? scratch : j->main_scores;
+    char *oh = scratch ? (char *)(scratch + (size_t)R * j->max_ld) : NULL;
+    if (j->bf16)
+        phase2_item(j->q, j->q_stride, j->kv, j->base, j->first_item, j->starts, j->lens, it,
+                    j->num_heads, j->rep, j->D, j->scale, scores, oh, j->D, j->out, 1);
+    else
+        phase2_item(j->q, j->q_stride, j->kv, j->base, j->first_item, j->starts, j->lens, it,
+                    j->num_heads, j->rep, j->D, j->scale, scores, oh, j->D, j->out, 0);
+}
+
+static void prefill_copy(const void *params, int64_t item, const float *scratch) {
+    const prefill_job *j = params;
+    const int it = j->items - 1 - (int)item, esize = j->bf16 ? 2 : 4;
+    int s = 0;
+    while (j->first_item[s + 1] <= it) s++;
+    const int local = it - j->first_item[s], tiles = (j->lens[s] + QT - 1) / QT;
+    const int h = local / tiles, tile = local % tiles, L = j->lens[s];
+    const int end = (tile + 1) * QT < L ? (tile + 1) * QT : L;
+    const char *src = (const char *)(scratch + (size_t)R * j->max_ld);
+    for (int i = tile * QT; i < end; i++)
+        memcpy((char *)j->out +
+                   (((int64_t)j->starts[s] + i) * j->num_heads * j->D + (int64_t)h * j->D) * esize,
+               src + (int64_t)(i - tile * QT) * j->D * esize, (size_t)j->D * esize);
+}
+
+/* Phase 1's buffer on the team: first_item (S + 1 ints), base (S + 1 int64), the widened K/V.
+ * `arena_gen`: the last call whose helper may still read it (team.h's generation, 0: none). */
+static char *arena;
+static size_t arena_bytes;
+static uint64_t arena_gen;
+#define MAX_RETIRED 64
+static struct {
+    char *block;
+    uint64_t gen;
+} retired[MAX_RETIRED];
+static int num_retired;
+
+static char *arena_for(size_t bytes) {
+    const uint64_t left = team_left();
+    for (int i = 0; i < num_retired;) /* free what every helper has left */
+        if (retired[i].gen <= left) {
+            free(retired[i].block);
+            retired[i] = retired[--num_retired];
+        } else {
+            i++;
+        }
+    const int busy = arena != NULL && arena_gen > left;
+    if (bytes <= arena_bytes && !busy) return arena;
+    if (busy) {
+        if (num_retired == MAX_RETIRED) return NULL;
+        retired[num_retired].block = arena;
+        retired[num_retired++].gen = arena_gen;
+    } else {
+        free(arena);
+    }
+    arena = NULL;
+    arena_bytes = 0;
+    arena_gen = 0;
+    size_t want = bytes > arena_bytes ? bytes + bytes / 2 : bytes;
+    want = (want + 63) / 64 * 64;
+    arena = (char *)aligned_alloc(64, want);
+    if (arena != NULL) arena_bytes = want;
+    return arena;
+}
+
 /* Return codes: 0 ok, 1 out of memory, 2 bad head counts or head size, 3 a bad segment. */
 static inline __attribute__((always_inline)) int prefill_attention(
     const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
     int64_t v_stride, const int32_t *starts, const int32_t *lens, int num_segs, void *out,
-    int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads, const int bf16) {
+    int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads, const int bf16,
+    uint64_t *team_gen) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim % TILE != 0 ||
         head_dim < TILE || head_dim > MAX_HEAD_DIM)
         return 2;
-    const int rep = num_heads / num_kv_heads, D = head_dim, esize = bf16 ? 2 : 4;
-    /* Where each segment's widened K/V start in the shared buffer, and the work items. */
-    int64_t *base = (int64_t *)malloc(sizeof(int64_t) * ((size_t)num_segs + 1));
-    int *first_item = (int *)malloc(sizeof(int) * ((size_t)num_segs + 1));
-    if (base == NULL || first_item == NULL) {
-        free(base);
-        free(first_item);
-        return 1;
-    }
-    base[0] = 0;
-    first_item[0] = 0;
+    const int rep = num_heads / num_kv_heads, D = head_dim;
+    const int on_team = team_gen != NULL && team_runner != NULL;
+    if (team_gen != NULL) *team_gen = 0;
     int max_ld = TILE;
+    int64_t kv_floats = 0;
     for (int s = 0; s < num_segs; s++) {
-        if (lens[s] < 1 || starts[s] < 0) {
-            free(base);
-            free(first_item);
-            return 3;
-        }
+        if (lens[s] < 1 || starts[s] < 0) return 3;
         const int ld = (lens[s] + TILE - 1) / TILE * TILE;
         max_ld = ld > max_ld ? ld : max_ld;
+        kv_floats += (int64_t)num_kv_heads * 2 * D * ld;
+    }
+    /* Where each segment's widened K/V start in the shared buffer, and the work items. */
+    const size_t head_bytes = ((sizeof(int) * ((size_t)num_segs + 1) + 63) / 64) * 64;
+    const size_t base_bytes = ((sizeof(int64_t) * ((size_t)num_segs + 1) + 63) / 64) * 64;
+    const size_t need = head_bytes + base_bytes + sizeof(float) * (size_t)kv_floats;
+    char *block = on_team ? arena_for(need) : (char *)aligned_alloc(64, (need + 63) / 64 * 64);
+    if (block == NULL) return 1;
+    int *first_item = (int *)block;
+    int64_t *base = (int64_t *)(block + head_bytes);
+    float *kv = (float *)(block + head_bytes + base_bytes);
+    base[0] = 0;
+    first_item[0] = 0;
+    for (int s = 0; s < num_segs; s++) {
+        const int ld = (lens[s] + TILE - 1) / TILE * TILE;
         base[s + 1] = base[s] + (int64_t)num_kv_heads * 2 * D * ld;
         first_item[s + 1] = first_item[s] + num_heads * ((lens[s] + QT - 1) / QT);
     }
-    float *kv = (float *)aligned_alloc(64, sizeof(float) * (size_t)base[num_segs]);
-    if (kv == NULL) {
-        free(base);
-        free(first_item);
-        return 1;
-    }
     int failed = 0;
     const int items = first_item[num_segs], prep = num_segs * num_kv_heads;
+    if (on_team) num_threads = 1; /* phase 1 here, on the calling thread */
 #pragma omp parallel num_threads(num_threads)
     {
         /* A multiple of 16 floats (64 bytes), as aligned_alloc wants. */
@@ -153,52 +282,45 @@ static inline __attribute__((always_inline)) int prefill_attention(
                         in ? load_elem(v, (r0 + j) * v_stride + off + d, bf16) : 0.f;
                 }
         }
+        if (on_team) {
+            if (scores != NULL) {
+                const prefill_job j = {q,      kv,        base,  first_item, lens,
+                                       out,    starts,    scores, q_stride,  num_heads,
+                                       rep,    D,         max_ld, bf16,      items,
+                                       scale};
+                const int64_t helper_floats = (int64_t)R * max_ld + (int64_t)QT * D;
+                *team_gen = team_runner(prefill_item, prefill_copy, &j, sizeof j, items,
+                                        helper_floats);
+                if (*team_gen) arena_gen = *team_gen;
+            }
+        } else {
 #pragma omp for schedule(dynamic, 1)
-        for (int it = items - 1; it >= 0; it--) {
-            if (scores == NULL) continue;
-            int s = 0;
-            while (first_item[s + 1] <= it) s++;
-            const int local = it - first_item[s], tiles = (lens[s] + QT - 1) / QT;
-            const int h = local / tiles, tile = local % tiles, g = h / rep, L = lens[s];
-            const int ld = (L + TILE - 1) / TILE * TILE;
-            const float *kt = kv + base[s] + (int64_t)g * 2 * D * ld, *vf = kt + (int64_t)D * ld;
-            const char *qh = (const char *)q + ((int64_t)starts[s] * q_stride + h * D) * esize;
-            char *oh = (char *)out + ((int64_t)starts[s] * num_heads * D + h * D) * esize;
-            const int end = (tile + 1) * QT < L ? (tile + 1) * QT : L;
-            for (int i0 = tile * QT; i0 < end; i0 += R) {
-                const int nr = end - i0 < R ? end - i0 : R;
-#define BLOCK(DIM)                                                                            \
-    rows_block(qh, q_stride, kt, vf, ld, i0, nr, oh, (int64_t)num_heads * D, scores, DIM, scale, \
-               bf16)
-                switch (D) {
-                case 64: BLOCK(64); break;
-                case 128: BLOCK(128); break;
-                default: BLOCK(D); break;
-                }
-#undef BLOCK
+            for (int it = items - 1; it >= 0; it--) {
+                if (scores == NULL) continue;
+                phase2_item(q, q_stride, kv, base, first_item, starts, lens, it, num_heads, rep,
+                            D, scale, scores, NULL, 0, out, bf16);
             }
         }
         free(scores);
     }
-    free(kv);
-    free(base);
-    free(first_item);
+    if (!on_team) free(block);
     return failed;
 }
 
 int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                           const float *v, int64_t v_stride, const int32_t *starts,
                           const int32_t *lens, int num_segs, float *out, int num_heads,
-                          int num_kv_heads, int head_dim, float scale, int num_threads) {
+                          int num_kv_heads, int head_dim, float scale, int num_threads,
+                          uint64_t *team_gen) {
     return prefill_attention(q, q_stride, k, k_stride, v, v_stride, starts, lens, num_segs, out,
-                             num_heads, num_kv_heads, head_dim, scale, num_threads, 0);
+                             num_heads, num_kv_heads, head_dim, scale, num_threads, 0, team_gen);
 }
 
 int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                            int64_t k_stride, const uint16_t *v, int64_t v_stride,
                            const int32_t *starts, const int32_t *lens, int num_segs,
                            uint16_t *out, int num_heads, int num_kv_heads, int head_dim,
-                           float scale, int num_threads) {
+                           float scale, int num_threads, uint64_t *team_gen) {
     return prefill_attention(q, q_stride, k, k_stride, v, v_stride, starts, lens, num_segs, out,
-                             num_heads, num_kv_heads, head_dim, scale, num_threads, 1);
+                             num_heads, num_kv_heads, head_dim, scale, num_threads, 1, team_gen);
 }
