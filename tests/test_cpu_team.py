@@ -113,6 +113,20 @@ def test_a_float32_worker_on_the_team_matches_transformers(
     assert got == expected
 
 
+def _same_as_openmp(script: str, stall_us: int) -> None:
+    """Runs a script that compares a kernel on the team with its OpenMP path in a child: with a
+    helper on a core of its own (stall_us 0), or one that stalls after every item (its items
+    taken back: some must have been)."""
+    helper = CPUS[-1] if len(CPUS) > 1 or stall_us else None
+    if helper is None:
+        pytest.skip("one core: no helper on a core of its own")
+    script = script.replace("CALLER", str(CPUS[0])).replace("HELPERS", repr([helper]))
+    got = _child(script.replace("STALL", str(stall_us)))
+    assert got["same"]
+    if stall_us:
+        assert got["taken_back"] > 0
+
+
 DECODE = """
 import json, os, torch
 from gpu_worker import cpu_team
@@ -132,14 +146,7 @@ print(json.dumps({"same": same and again, "taken_back": cpu_team.taken_back()}))
 def test_decode_attention_on_the_team_equals_its_openmp_path(stall_us: int) -> None:
     """Each sequence's heads are the same arithmetic wherever they run: bit for bit, with a
     helper on a core of its own and with one that stalls after every item."""
-    helper = CPUS[-1] if len(CPUS) > 1 or stall_us else None
-    if helper is None:
-        pytest.skip("one core: no helper on a core of its own")
-    script = DECODE.replace("CALLER", str(CPUS[0])).replace("HELPERS", repr([helper]))
-    got = _child(script.replace("STALL", str(stall_us)))
-    assert got["same"]
-    if stall_us:
-        assert got["taken_back"] > 0
+    _same_as_openmp(DECODE, stall_us)
 
 
 PREFILL = """
@@ -181,11 +188,4 @@ print(json.dumps({"same": same and again, "taken_back": cpu_team.taken_back()}))
 def test_prompt_attention_on_the_team_equals_its_openmp_path(stall_us: int) -> None:
     """Phase 2's tiles on the team, bit for bit as on OpenMP; with a stalling helper, its
     tiles taken back while later calls leave the buffer it may still read alone."""
-    helper = CPUS[-1] if len(CPUS) > 1 or stall_us else None
-    if helper is None:
-        pytest.skip("one core: no helper on a core of its own")
-    script = PREFILL.replace("CALLER", str(CPUS[0])).replace("HELPERS", repr([helper]))
-    got = _child(script.replace("STALL", str(stall_us)))
-    assert got["same"]
-    if stall_us:
-        assert got["taken_back"] > 0
+    _same_as_openmp(PREFILL, stall_us)

@@ -245,7 +245,7 @@ uint64_t team_run_items(item_fn run, copy_fn copy, const void *params, size_t ps
     return taken_back;
 }
 
-/* ---- float32 products --------------------------------------------------------------------- */
+/* ---- products ------------------------------------------------------------------------------ */
 
 #if defined(__AVX512F__)
 #define NV 2
@@ -254,6 +254,11 @@ uint64_t team_run_items(item_fn run, copy_fn copy, const void *params, size_t ps
 #endif
 #define NR (NV * W16)
 #define MR 6
+#if defined(__AVX512BF16__) && NV == 2
+#define HAVE_BF16_PRODUCTS 1
+#else
+#define HAVE_BF16_PRODUCTS 0
+#endif
 /* An item's rows: all of them up to WHOLE_ROWS (a decode step: each panel is read once and
  * stays in L1 across the rows), else blocks of ROWS_PER_ITEM (a multiple of MR); either fits a
  * helper's scratch. */
@@ -262,6 +267,9 @@ uint64_t team_run_items(item_fn run, copy_fn copy, const void *params, size_t ps
 static inline int64_t item_rows_of(int64_t m) { return m <= WHOLE_ROWS ? m : ROWS_PER_ITEM; }
 
 int64_t gemm_panel_width(void) { return NR; }
+
+/* Where the CPU has AVX512-BF16 (and AVX-512's 32-column panels): bf16 products. */
+int gemm_bf16_supported(void) { return HAVE_BF16_PRODUCTS; }
 
 /* w [n, k] (row-major, as torch's Linear weight) -> out [ceil(n / NR)][k][NR], zero-padded. */
 void pack_f32(const float *w, int64_t n, int64_t k, float *out) {
@@ -274,64 +282,111 @@ void pack_f32(const float *w, int64_t n, int64_t k, float *out) {
             }
 }
 
-/* c[0:mr, 0:ncols] = a[0:mr] @ panel (+ bias): mr * NV vector accumulators over k. */
-static inline __attribute__((always_inline)) void micro(const float *a, int64_t lda,
-                                                        const float *bp, int64_t k, float *c,
+/* bf16 w [n, k] -> [panels][ceil(k / 2)][NR][2]: each column's pairs of consecutive k, as
+ * vdpbf16ps takes them; zero past n and past an odd k. */
+void pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t q = 0; q < kp; q++)
+            for (int64_t j = 0; j < NR; j++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t col = p * NR + j, kk = 2 * q + e;
+                    out[((p * kp + q) * NR + j) * 2 + e] =
+                        col < n && kk < k ? w[col * k + kk] : (uint16_t)0;
+                }
+}
+
+/* c[0:mr, 0:ncols] = a[0:mr] @ panel + bias (NULL: none), mr * NV vector accumulators over k.
+ * float32: one multiply-add per k. bf16: vdpbf16ps per pair of k (exact products, float32
+ * sums; an odd k's last one paired with 0), the output rounded once to bf16. */
+static inline __attribute__((always_inline)) void micro(const void *a_, int64_t lda,
+                                                        const void *bp_, int64_t k, void *c_,
                                                         int64_t ldc, int64_t ncols,
-                                                        const float *bias, const int mr) {
+                                                        const float *bias, const int mr,
+                                                        const int bf16) {
     v16 acc[MR][NV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = bias ? load16(bias + v * W16) : splat16(0.0f);
-    for (int64_t kk = 0; kk < k; kk++) {
-        v16 b[NV];
-        for (int v = 0; v < NV; v++) b[v] = load16(bp + kk * NR + v * W16);
-        for (int r = 0; r < mr; r++) {
-            const v16 s = splat16(a[r * lda + kk]);
-            for (int v = 0; v < NV; v++) acc[r][v] += s * b[v];
+    if (!bf16) {
+        const float *a = a_, *bp = bp_;
+        for (int64_t kk = 0; kk < k; kk++) {
+            v16 b[NV];
+            for (int v = 0; v < NV; v++) b[v] = load16(bp + kk * NR + v * W16);
+            for (int r = 0; r < mr; r++) {
+                const v16 s = splat16(a[r * lda + kk]);
+                for (int v = 0; v < NV; v++) acc[r][v] += s * b[v];
+            }
         }
     }
-    for (int r = 0; r < mr; r++) {
-        if (ncols == NR) {
-            for (int v = 0; v < NV; v++) store16(c + r * ldc + v * W16, acc[r][v]);
-        } else {
-            float tmp[NR];
-            for (int v = 0; v < NV; v++) store16(tmp + v * W16, acc[r][v]);
-            for (int64_t j = 0; j < ncols; j++) c[r * ldc + j] = tmp[j];
+#if HAVE_BF16_PRODUCTS
+    if (bf16) {
+        const uint16_t *a = a_, *bp = bp_;
+        const int64_t full = k / 2;
+        for (int64_t q = 0; q < (k + 1) / 2; q++) {
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR);
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR + NR);
+            for (int r = 0; r < mr; r++) {
+                uint32_t pair = a[r * lda + 2 * q]; /* past full: paired with 0 */
+                if (q < full) memcpy(&pair, a + r * lda + 2 * q, sizeof pair);
+                const __m512bh s = (__m512bh)_mm512_set1_epi32((int)pair);
+                acc[r][0] = (v16)_mm512_dpbf16_ps((__m512)acc[r][0], s, b0);
+                acc[r][1] = (v16)_mm512_dpbf16_ps((__m512)acc[r][1], s, b1);
+            }
         }
+    }
+#endif
+    const int esize = bf16 ? 2 : 4;
+    for (int r = 0; r < mr; r++) {
+        char tmp[NR * 4];
+        char *row = ncols == NR ? (char *)c_ + r * ldc * esize : tmp;
+        for (int v = 0; v < NV; v++) {
+            if (bf16)
+                store_bf16x16((uint16_t *)row + v * W16, acc[r][v]);
+            else
+                store16((float *)row + v * W16, acc[r][v]);
+        }
+        if (ncols != NR) memcpy((char *)c_ + r * ldc * esize, tmp, (size_t)ncols * esize);
     }
 }
 
 typedef struct {
-    const float *a, *wp, *bias;
-    float *c;
+    const void *a, *wp, *bias; /* float32 or bf16, as `bf16` says */
+    void *c;
     int64_t m, k, n, panels, rows; /* rows: an item's */
+    int bf16;
 } gemm_params;
 
-/* Rows [r0, r1) of panel p into c (row stride ldc). */
-static void gemm_block(const gemm_params *g, int64_t r0, int64_t r1, int64_t p, float *c,
-                       int64_t ldc) {
-    const float *bp = g->wp + p * g->k * NR;
+/* Rows [r0, r1) of panel p into c (row stride ldc elements). */
+static inline __attribute__((always_inline)) void gemm_rows(const gemm_params *g, int64_t r0,
+                                                            int64_t r1, int64_t p, void *c,
+                                                            int64_t ldc, const int bf16) {
+    const int esize = bf16 ? 2 : 4;
+    const int64_t kk = bf16 ? (g->k + 1) / 2 * 2 : g->k; /* a panel's k, padded to pairs */
+    const char *bp = (const char *)g->wp + p * kk * NR * esize;
     const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
-    float padded[NR];
-    const float *bias = g->bias ? g->bias + p * NR : NULL;
-    if (bias && ncols < NR) { /* the last panel's columns past n: zeros */
-        memset(padded, 0, sizeof padded);
-        memcpy(padded, bias, (size_t)ncols * sizeof(float));
-        bias = padded;
-    }
+    float bias[NR]; /* widened; the last panel's columns past n zero */
+    if (g->bias)
+        for (int64_t j = 0; j < NR; j++)
+            bias[j] = j < ncols ? load_elem(g->bias, p * NR + j, bf16) : 0.f;
+    const float *b = g->bias ? bias : NULL;
+    const char *a = (const char *)g->a;
+    char *cc = (char *)c;
     int64_t r = r0;
     for (; r + MR <= r1; r += MR)
-        micro(g->a + r * g->k, g->k, bp, g->k, c + (r - r0) * ldc, ldc, ncols, bias, MR);
-    const float *a = g->a + r * g->k;
-    float *cc = c + (r - r0) * ldc;
+        micro(a + r * g->k * esize, g->k, bp, g->k, cc + (r - r0) * ldc * esize, ldc, ncols, b,
+              MR, bf16);
+#define TAIL(N)                                                                                \
+    micro(a + r * g->k * esize, g->k, bp, g->k, cc + (r - r0) * ldc * esize, ldc, ncols, b, N, \
+          bf16)
     switch (r1 - r) {
-    case 5: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 5); break;
-    case 4: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 4); break;
-    case 3: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 3); break;
-    case 2: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 2); break;
-    case 1: micro(a, g->k, bp, g->k, cc, ldc, ncols, bias, 1); break;
+    case 5: TAIL(5); break;
+    case 4: TAIL(4); break;
+    case 3: TAIL(3); break;
+    case 2: TAIL(2); break;
+    case 1: TAIL(1); break;
     default: break;
     }
+#undef TAIL
 }
 
 static inline void item_rows(const gemm_params *g, int64_t item, int64_t *p, int64_t *r0,
@@ -345,195 +400,56 @@ static void gemm_item(const void *params, int64_t item, float *scratch) {
     const gemm_params *g = params;
     int64_t p, r0, r1;
     item_rows(g, item, &p, &r0, &r1);
-    if (scratch)
-        gemm_block(g, r0, r1, p, scratch, NR);
+    const int esize = g->bf16 ? 2 : 4;
+    void *c = scratch ? (void *)scratch : (char *)g->c + (r0 * g->n + p * NR) * esize;
+    const int64_t ldc = scratch ? NR : g->n;
+    if (g->bf16)
+        gemm_rows(g, r0, r1, p, c, ldc, 1);
     else
-        gemm_block(g, r0, r1, p, g->c + r0 * g->n + p * NR, g->n);
+        gemm_rows(g, r0, r1, p, c, ldc, 0);
 }
 
 static void gemm_copy(const void *params, int64_t item, const float *scratch) {
     const gemm_params *g = params;
     int64_t p, r0, r1;
     item_rows(g, item, &p, &r0, &r1);
+    const int esize = g->bf16 ? 2 : 4;
     const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
     for (int64_t r = r0; r < r1; r++)
-        memcpy(g->c + r * g->n + p * NR, scratch + (r - r0) * NR, (size_t)ncols * sizeof(float));
+        memcpy((char *)g->c + (r * g->n + p * NR) * esize,
+               (const char *)scratch + (r - r0) * NR * esize, (size_t)(ncols * esize));
+}
+
+static uint64_t gemm_run(gemm_params g) {
+    g.panels = (g.n + NR - 1) / NR;
+    g.rows = item_rows_of(g.m);
+    const int64_t items = g.panels * ((g.m + g.rows - 1) / g.rows);
+    if (items <= MAX_ITEMS) return team_run_items(gemm_item, gemm_copy, &g, sizeof g, items, 0);
+    /* as one job per slice of rows */
+    const int esize = g.bf16 ? 2 : 4, rows = (int)(MAX_ITEMS / g.panels * g.rows);
+    uint64_t last = 0;
+    for (int64_t r = 0; r < g.m; r += rows) {
+        gemm_params slice = g;
+        slice.a = (const char *)g.a + r * g.k * esize;
+        slice.c = (char *)g.c + r * g.n * esize;
+        slice.m = g.m - r < rows ? g.m - r : rows;
+        const uint64_t gen = gemm_run(slice);
+        if (gen) last = gen;
+    }
+    return last;
 }
 
 /* c [m, n] = a [m, k] @ w.T (+ bias [n], or NULL), w packed by pack_f32; a and c contiguous.
  * Returns team_run_items' generation (nonzero: keep `a` alive until team_left_gen() reaches it). */
 uint64_t gemm_f32(const float *a, int64_t m, int64_t k, const float *wp, int64_t n,
                   const float *bias, float *c) {
-    const gemm_params g = {a, wp, bias, c, m, k, n, (n + NR - 1) / NR, item_rows_of(m)};
-    const int64_t items = g.panels * ((m + g.rows - 1) / g.rows);
-    if (items > MAX_ITEMS) { /* as one job per slice of rows */
-        const int64_t rows = MAX_ITEMS / g.panels * g.rows;
-        uint64_t last = 0;
-        for (int64_t r = 0; r < m; r += rows) {
-            const uint64_t gen = gemm_f32(a + r * k, m - r < rows ? m - r : rows, k, wp, n, bias,
-                                          c + r * n);
-            if (gen) last = gen;
-        }
-        return last;
-    }
-    return team_run_items(gemm_item, gemm_copy, &g, sizeof g, items, 0);
+    return gemm_run((gemm_params){a, wp, bias, c, m, k, n, 0, 0, 0});
 }
 
-/* ---- bfloat16 products (AVX512-BF16) ------------------------------------------------------- */
-
-/* Where the CPU has AVX512-BF16: a bf16 weight packed as [panels][ceil(K/2)][NR][2] (each
- * column's pairs of consecutive k, as vdpbf16ps takes them; zero past n and past an odd K),
- * products exact and sums in float32, the output rounded once to bf16 (ties to even). */
-int gemm_bf16_supported(void) {
-#if defined(__AVX512BF16__) && NV == 2
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-void pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
-    const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2;
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t q = 0; q < kp; q++)
-            for (int64_t j = 0; j < NR; j++)
-                for (int64_t e = 0; e < 2; e++) {
-                    const int64_t col = p * NR + j, kk = 2 * q + e;
-                    out[((p * kp + q) * NR + j) * 2 + e] =
-                        col < n && kk < k ? w[col * k + kk] : (uint16_t)0;
-                }
-}
-
-#if defined(__AVX512BF16__) && NV == 2
-typedef struct {
-    const uint16_t *a, *wp, *bias;
-    uint16_t *c;
-    int64_t m, k, n, panels, rows;
-} gemm16_params;
-
-/* The pair of a's row at k-pair q as one 32-bit lane pattern (the odd tail paired with 0). */
-static inline uint32_t a_pair(const uint16_t *row, int64_t q, int64_t k) {
-    if (2 * q + 1 < k) {
-        uint32_t v;
-        memcpy(&v, row + 2 * q, sizeof v);
-        return v;
-    }
-    return row[2 * q];
-}
-
-static inline __attribute__((always_inline)) void micro16(const uint16_t *a, int64_t lda,
-                                                          const uint16_t *bp, int64_t k,
-                                                          uint16_t *c, int64_t ldc,
-                                                          int64_t ncols, const float *bias,
-                                                          const int mr) {
-    __m512 acc[MR][2];
-    for (int r = 0; r < mr; r++)
-        for (int v = 0; v < 2; v++)
-            acc[r][v] = bias ? _mm512_loadu_ps(bias + v * W16) : _mm512_setzero_ps();
-    const int64_t kp = (k + 1) / 2, full = k / 2;
-    for (int64_t q = 0; q < full; q++) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR + NR);
-        for (int r = 0; r < mr; r++) {
-            uint32_t pair;
-            memcpy(&pair, a + r * lda + 2 * q, sizeof pair);
-            const __m512bh s = (__m512bh)_mm512_set1_epi32((int)pair);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], s, b0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], s, b1);
-        }
-    }
-    for (int64_t q = full; q < kp; q++) { /* an odd K's last k, paired with zero */
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * 2 * NR + NR);
-        for (int r = 0; r < mr; r++) {
-            const __m512bh s = (__m512bh)_mm512_set1_epi32((int)a_pair(a + r * lda, q, k));
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], s, b0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], s, b1);
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        if (ncols == NR) {
-            for (int v = 0; v < 2; v++) store_bf16x16(c + r * ldc + v * W16, (v16)acc[r][v]);
-        } else {
-            uint16_t tmp[NR];
-            for (int v = 0; v < 2; v++) store_bf16x16(tmp + v * W16, (v16)acc[r][v]);
-            memcpy(c + r * ldc, tmp, (size_t)ncols * sizeof(uint16_t));
-        }
-    }
-}
-
-static void gemm16_block(const gemm16_params *g, int64_t r0, int64_t r1, int64_t p, uint16_t *c,
-                         int64_t ldc) {
-    const uint16_t *bp = g->wp + p * ((g->k + 1) / 2) * 2 * NR;
-    const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
-    float bias[NR];
-    if (g->bias) {
-        for (int64_t j = 0; j < NR; j++) bias[j] = j < ncols ? bf16_widen(g->bias[p * NR + j]) : 0.f;
-    }
-    const float *b = g->bias ? bias : NULL;
-    int64_t r = r0;
-    for (; r + MR <= r1; r += MR)
-        micro16(g->a + r * g->k, g->k, bp, g->k, c + (r - r0) * ldc, ldc, ncols, b, MR);
-    const uint16_t *a = g->a + r * g->k;
-    uint16_t *cc = c + (r - r0) * ldc;
-    switch (r1 - r) {
-    case 5: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 5); break;
-    case 4: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 4); break;
-    case 3: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 3); break;
-    case 2: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 2); break;
-    case 1: micro16(a, g->k, bp, g->k, cc, ldc, ncols, b, 1); break;
-    default: break;
-    }
-}
-
-static inline void item_rows16(const gemm16_params *g, int64_t item, int64_t *p, int64_t *r0,
-                               int64_t *r1) {
-    *p = item % g->panels;
-    *r0 = item / g->panels * g->rows;
-    *r1 = *r0 + g->rows < g->m ? *r0 + g->rows : g->m;
-}
-
-static void gemm16_item(const void *params, int64_t item, float *scratch) {
-    const gemm16_params *g = params;
-    int64_t p, r0, r1;
-    item_rows16(g, item, &p, &r0, &r1);
-    if (scratch)
-        gemm16_block(g, r0, r1, p, (uint16_t *)scratch, NR);
-    else
-        gemm16_block(g, r0, r1, p, g->c + r0 * g->n + p * NR, g->n);
-}
-
-static void gemm16_copy(const void *params, int64_t item, const float *scratch) {
-    const gemm16_params *g = params;
-    int64_t p, r0, r1;
-    item_rows16(g, item, &p, &r0, &r1);
-    const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
-    const uint16_t *s = (const uint16_t *)scratch;
-    for (int64_t r = r0; r < r1; r++)
-        memcpy(g->c + r * g->n + p * NR, s + (r - r0) * NR, (size_t)ncols * sizeof(uint16_t));
-}
-#endif
-
-/* c [m, n] = a [m, k] @ w.T (+ bias [n], or NULL), all bf16, w packed by pack_bf16; as
- * gemm_f32 otherwise. Returns (uint64_t)-1 where the CPU has no AVX512-BF16. */
+/* The same in bf16 (a, w packed by pack_bf16, bias and c); (uint64_t)-1 where the CPU has no
+ * AVX512-BF16. */
 uint64_t gemm_bf16(const uint16_t *a, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
                    const uint16_t *bias, uint16_t *c) {
-#if defined(__AVX512BF16__) && NV == 2
-    const gemm16_params g = {a, wp, bias, c, m, k, n, (n + NR - 1) / NR, item_rows_of(m)};
-    const int64_t items = g.panels * ((m + g.rows - 1) / g.rows);
-    if (items > MAX_ITEMS) {
-        const int64_t rows = MAX_ITEMS / g.panels * g.rows;
-        uint64_t last = 0;
-        for (int64_t r = 0; r < m; r += rows) {
-            const uint64_t gen = gemm_bf16(a + r * k, m - r < rows ? m - r : rows, k, wp, n,
-                                           bias, c + r * n);
-            if (gen) last = gen;
-        }
-        return last;
-    }
-    return team_run_items(gemm16_item, gemm16_copy, &g, sizeof g, items, 0);
-#else
-    (void)a, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)c;
-    return (uint64_t)-1;
-#endif
+    if (!HAVE_BF16_PRODUCTS) return (uint64_t)-1;
+    return gemm_run((gemm_params){a, wp, bias, c, m, k, n, 0, 0, 1});
 }
