@@ -23,6 +23,9 @@ from tests.stack import greedy_to_length, start_stack
 
 CPUS = sorted(os.sched_getaffinity(0))
 
+# Threads bound to cores, busy processes beside them: alone, after the busy phase.
+pytestmark = pytest.mark.serial
+
 
 def _child(script: str) -> dict:
     out = subprocess.run(

@@ -10,6 +10,9 @@ import pytest
 
 from benchmarks import cpu_team
 
+# Threads bound to cores, busy processes beside them: alone, after the busy phase.
+pytestmark = pytest.mark.serial
+
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no team of two")
 def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:

@@ -52,7 +52,15 @@ def constrained(
     req.sampling.structured_output.CopyFrom(constraint)
     for key, value in kw.items():
         setattr(req.sampling, key, value)
-    chunks = list(stack.stub.Generate(req, timeout=600))
+    for attempt in range(60):
+        try:
+            chunks = list(stack.stub.Generate(req, timeout=600))
+            break
+        except grpc.RpcError as exc:
+            # The worker's compile queue is full: "retry shortly", as a client is told to.
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == 59:
+                raise
+            time.sleep(0.5)
     by_index: dict[int, str] = {}
     for c in chunks:
         by_index[c.index] = by_index.get(c.index, "") + c.text
