@@ -68,6 +68,12 @@ for m in (1, 5, 6, 7, 47, 48, 49, 64, 130):
                 scale = x.abs().double() @ w.abs().double().T + 1
                 worst = max(worst, float(((got.double() - want).abs() / scale).max()))
                 shapes += 1
+# no rows; more panels than one job holds items (the caller alone)
+assert cpu_team.linear(torch.empty(0, 8), cpu_team.pack(torch.randn(5, 8)), 5, None).shape == (0, 5)
+w = torch.randn(600_000, 2, generator=gen)
+x = torch.randn(3, 2, generator=gen)
+wide = (cpu_team.linear(x, cpu_team.pack(w), 600_000, None).double() - x.double() @ w.double().T)
+worst = max(worst, float(wide.abs().max()))
 for _ in range(REPEATS):  # the same product again and again: the same answer every time
     x = torch.randn(64, 256, generator=gen)
     w = torch.randn(300, 256, generator=gen)

@@ -106,11 +106,12 @@ static uint64_t await_job(uint64_t seen) {
     }
 }
 
+static float *first_scratch[MAX_HELPERS]; /* allocated by team_start: a helper never fails */
+
 static void *helper_main(void *arg) {
     const int h = (int)(intptr_t)arg;
     int64_t capacity = SCRATCH_FLOATS;
-    float *scratch = aligned_alloc(64, (size_t)capacity * sizeof(float));
-    if (scratch == NULL) return NULL;
+    float *scratch = first_scratch[h];
     uint64_t seen = 0;
     job_t local;
     for (;;) {
@@ -160,7 +161,12 @@ int team_start(int n, const int *cpus, int64_t spin_us, int64_t stall) {
     spin_ns = spin_us * 1000;
     stall_us = stall;
     for (int i = 0; i < n; i++) {
-        if (pthread_create(&threads[i], NULL, helper_main, (void *)(intptr_t)i) != 0) break;
+        first_scratch[i] = aligned_alloc(64, SCRATCH_FLOATS * sizeof(float));
+        if (first_scratch[i] == NULL) break;
+        if (pthread_create(&threads[i], NULL, helper_main, (void *)(intptr_t)i) != 0) {
+            free(first_scratch[i]);
+            break;
+        }
         if (cpus[i] >= 0) {
             cpu_set_t set;
             CPU_ZERO(&set);
@@ -195,7 +201,8 @@ uint64_t team_run_items(item_fn run, copy_fn copy, const void *params, size_t ps
         return 0;
     }
     const uint64_t gen = ++gen_counter;
-    atomic_store_explicit(&job_gen, gen * 2 - 1, memory_order_release);
+    atomic_store_explicit(&job_gen, gen * 2 - 1, memory_order_relaxed); /* odd: writing */
+    atomic_thread_fence(memory_order_release); /* ... before any of the writes below */
     job.run = run;
     job.copy = copy;
     job.n_items = n;
@@ -217,9 +224,10 @@ uint64_t team_run_items(item_fn run, copy_fn copy, const void *params, size_t ps
         spent += now_ns() - t;
         mine++;
     }
-    /* A helper gets three of the caller's item times to finish (20 us when the caller did
-     * none), then its item is taken back. */
-    const int64_t patience = (mine ? 3 * spent / mine : 20000) + 2000;
+    /* A helper gets three of the caller's item times to finish (200 us when the caller did
+     * none: helpers that took every item are more likely busy than stalled), then its item
+     * is taken back. */
+    const int64_t patience = (mine ? 3 * spent / mine : 200000) + 2000;
     uint64_t taken_back = 0;
     for (int64_t j = i; j < n; j++) {
         const int64_t t0 = now_ns();
@@ -421,12 +429,16 @@ static void gemm_copy(const void *params, int64_t item, const float *scratch) {
 }
 
 static uint64_t gemm_run(gemm_params g) {
+    if (g.m <= 0 || g.n <= 0) return 0;
     g.panels = (g.n + NR - 1) / NR;
     g.rows = item_rows_of(g.m);
     const int64_t items = g.panels * ((g.m + g.rows - 1) / g.rows);
-    if (items <= MAX_ITEMS) return team_run_items(gemm_item, gemm_copy, &g, sizeof g, items, 0);
+    const int64_t rows = MAX_ITEMS / g.panels * g.rows; /* per slice; 0: over MAX_ITEMS panels */
+    /* within MAX_ITEMS: one job; over it in panels alone: the caller alone (team_run_items) */
+    if (items <= MAX_ITEMS || rows == 0)
+        return team_run_items(gemm_item, gemm_copy, &g, sizeof g, items, 0);
     /* as one job per slice of rows */
-    const int esize = g.bf16 ? 2 : 4, rows = (int)(MAX_ITEMS / g.panels * g.rows);
+    const int esize = g.bf16 ? 2 : 4;
     uint64_t last = 0;
     for (int64_t r = 0; r < g.m; r += rows) {
         gemm_params slice = g;

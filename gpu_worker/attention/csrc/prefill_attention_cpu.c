@@ -213,8 +213,7 @@ static char *arena_for(size_t bytes) {
     arena = NULL;
     arena_bytes = 0;
     arena_gen = 0;
-    size_t want = bytes > arena_bytes ? bytes + bytes / 2 : bytes;
-    want = (want + 63) / 64 * 64;
+    const size_t want = (bytes + bytes / 2 + 63) / 64 * 64; /* room to grow */
     arena = (char *)aligned_alloc(64, want);
     if (arena != NULL) arena_bytes = want;
     return arena;
@@ -230,7 +229,7 @@ static inline __attribute__((always_inline)) int prefill_attention(
         head_dim < TILE || head_dim > MAX_HEAD_DIM)
         return 2;
     const int rep = num_heads / num_kv_heads, D = head_dim;
-    const int on_team = team_gen != NULL && team_runner != NULL;
+    int on_team = team_gen != NULL && team_runner != NULL;
     if (team_gen != NULL) *team_gen = 0;
     int max_ld = TILE;
     int64_t kv_floats = 0;
@@ -244,7 +243,11 @@ static inline __attribute__((always_inline)) int prefill_attention(
     const size_t head_bytes = ((sizeof(int) * ((size_t)num_segs + 1) + 63) / 64) * 64;
     const size_t base_bytes = ((sizeof(int64_t) * ((size_t)num_segs + 1) + 63) / 64) * 64;
     const size_t need = head_bytes + base_bytes + sizeof(float) * (size_t)kv_floats;
-    char *block = on_team ? arena_for(need) : (char *)aligned_alloc(64, (need + 63) / 64 * 64);
+    char *block = on_team ? arena_for(need) : NULL;
+    if (block == NULL) { /* not on the team, or every retired buffer still read: a private one */
+        on_team = 0;
+        block = (char *)aligned_alloc(64, (need + 63) / 64 * 64);
+    }
     if (block == NULL) return 1;
     int *first_item = (int *)block;
     int64_t *base = (int64_t *)(block + head_bytes);
