@@ -145,9 +145,13 @@ dtypes = (torch.float32, torch.bfloat16)
 cases = [(_decode_case(*shape, dt), dt) for shape in SHAPES for dt in dtypes]
 alone = [_run_decode(c, dtype) for c, dtype in cases]  # OpenMP, one thread
 assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
-same = all(torch.equal(_run_decode(c, dtype), want) for (c, dtype), want in zip(cases, alone))
-again = all(torch.equal(_run_decode(c, dtype), want) for (c, dtype), want in zip(cases, alone))
-print(json.dumps({"same": same and again, "taken_back": cpu_team.taken_back()}))
+same, passes = True, 0
+# two passes at least; with a stalling helper, until an item was taken back (a helper woken
+# late on a busy machine may find every item of a pass claimed already)
+while passes < 2 or (STALL and not cpu_team.taken_back() and passes < 100):
+    same &= all(torch.equal(_run_decode(c, dtype), want) for (c, dtype), want in zip(cases, alone))
+    passes += 1
+print(json.dumps({"same": same, "taken_back": cpu_team.taken_back()}))
 """
 
 
@@ -187,9 +191,11 @@ cases = [case(*shape, dt, LENS) for shape in SHAPES for dt in dtypes]
 cases += [case(12, 4, 64, dt, [300, 7]) for dt in dtypes]
 alone = [run(c) for c in cases]  # OpenMP, one thread
 assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
-same = all(torch.equal(run(c), want) for c, want in zip(cases, alone))
-again = all(torch.equal(run(c), want) for c, want in zip(cases, alone))
-print(json.dumps({"same": same and again, "taken_back": cpu_team.taken_back()}))
+same, passes = True, 0
+while passes < 2 or (STALL and not cpu_team.taken_back() and passes < 100):  # as DECODE's
+    same &= all(torch.equal(run(c), want) for c, want in zip(cases, alone))
+    passes += 1
+print(json.dumps({"same": same, "taken_back": cpu_team.taken_back()}))
 """
 
 
