@@ -1,23 +1,24 @@
-"""The worker's stall-free CPU team and the float32 projections that run on it
-(`csrc/team_cpu.c`).
+"""The worker's stall-free CPU team and the products that run on it (`csrc/team_cpu.c`).
 
 An OpenMP team ends each parallel region at a barrier, so when the gateway, the control plane
 or a client takes the core of one of the model's threads, the other waits: on two cores a
 streamed step then loses about twice the CPU the edge uses. In a team of helpers started here
 the model's thread never waits for a helper that lost its core: it takes the helper's item back
-and computes it itself (docs/architecture.md, "The CPU team"). The worker starts the team for a
-float32 model on a CPU when its threads are bound one to a core and there are at most
-MAX_THREADS of them; the float32 projections then run `gemm_f32` on the team and torch's own
-ops run on the model's thread alone. Anywhere else (tests, in-process engines, bf16) nothing
-changes: projections stay on oneDNN.
+and computes it itself (docs/architecture.md, "The CPU team"). The worker starts the team on a
+CPU when its threads are bound one to a core and there are at most MAX_THREADS of them, for a
+float32 model, or a bf16 one where the CPU has AVX512-BF16 and no AMX (`wanted`). The
+projections then run `gemm_f32` / `gemm_bf16` on the team, the attention kernels run their
+items on it, and torch's own ops run on the model's thread alone. Anywhere else (tests,
+in-process engines, AMX) nothing changes: projections stay on oneDNN.
 
     start(helper_cpus)        helpers bound to those CPUs (-1: unbound); once per process
     active()                  whether the team runs
     taken_back()              items taken back from helpers so far
     pack(weight, dtype)       the weight's panels for linear (a 3-D tensor)
     linear(x, panels, n, b)   x @ weight.T (+ b) on the team
-    runner_address(), left_gen_address(), hold()
-                              for other kernels that run items on the team (csrc/team.h)
+    generation_for(lib, set)  for another kernel's library: tells it the team (once) and
+                              gives the out-parameter its calls return the generation in
+    hold(gen, *inputs)        keeps a call's inputs while a helper may still read them
 
 `PAGEDSERVE_CPU_TEAM=0` keeps the OpenMP team and oneDNN.
 """
@@ -59,7 +60,6 @@ def _load() -> ctypes.CDLL | None:
         ctypes.c_int64,
         ctypes.c_int64,
     ]
-    lib.team_size.restype = ctypes.c_int
     lib.team_left_gen.restype = ctypes.c_uint64
     lib.team_taken_back.restype = ctypes.c_uint64
     lib.gemm_panel_width.restype = ctypes.c_int64
@@ -173,13 +173,19 @@ def hold(gen: int, *inputs: torch.Tensor | None) -> None:
             _held.popleft()
 
 
-def runner_address() -> int:
-    """The address of the team's `team_run_items` (csrc/team.h), for other kernels' libraries."""
-    assert _lib is not None
-    return int(ctypes.cast(_lib.team_run_items, ctypes.c_void_p).value or 0)
+_told: set[int] = set()  # ids of the kernel libraries told the team's entry points
 
 
-def left_gen_address() -> int:
-    """The address of the team's `team_left_gen` (csrc/team.h)."""
-    assert _lib is not None
-    return int(ctypes.cast(_lib.team_left_gen, ctypes.c_void_p).value or 0)
+def generation_for(lib: ctypes.CDLL, set_team: str) -> ctypes.c_uint64 | None:
+    """For a call into another kernel library (csrc/team.h) that runs its items on the team:
+    the out-parameter it writes its generation to (pass `ctypes.byref`, then `hold` the
+    call's inputs with its value), None where no team runs. The library is told the team's
+    entry points (`team_run_items`, `team_left_gen`) through its `set_team` function once."""
+    if _lib is None:
+        return None
+    if id(lib) not in _told:
+        runner = ctypes.cast(_lib.team_run_items, ctypes.c_void_p)
+        left = ctypes.cast(_lib.team_left_gen, ctypes.c_void_p)
+        getattr(lib, set_team)(runner, left)
+        _told.add(id(lib))
+    return ctypes.c_uint64(0)

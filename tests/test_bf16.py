@@ -109,9 +109,12 @@ def test_widened_bf16_close_to_transformers_bf16(
     check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} widened/hf")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(("arch", "widen"), [("llama", False), ("qwen2", False), ("llama", True)])
 def test_bf16_on_the_cpu_team_close_to_transformers_bf16(
-    arch: str, make_checkpoint: Callable[..., Path], spawn: Callable[..., ServerProcess]
+    arch: str,
+    widen: bool,
+    make_checkpoint: Callable[..., Path],
+    spawn: Callable[..., ServerProcess],
 ) -> None:
     """The CPU team's bf16 products (a worker whose threads are bound, on a CPU with
     AVX512-BF16 and no AMX: tests/test_cpu_team.py) under the same rule."""
@@ -120,8 +123,12 @@ def test_bf16_on_the_cpu_team_close_to_transformers_bf16(
     model_dir = make_checkpoint(arch, num_hidden_layers=2)
     prompts = _prompts(6, 4096, seed=11)
     theirs = hf_greedy_top(hf_model(model_dir, dtype=torch.bfloat16), prompts, 16, TOP)
-    stack = start_stack(spawn, model_dir, dtype="bfloat16", worker_env={"OMP_NUM_THREADS": None})
-    assert '"projections": "team-bfloat16"' in stack.worker.output()
+    env: dict[str, str | None] = {"OMP_NUM_THREADS": None}
+    if widen:  # float32 panels of the bf16 weights, as on a CPU without bf16 products
+        env["PAGEDSERVE_BF16_WIDEN"] = "1"
+    stack = start_stack(spawn, model_dir, dtype="bfloat16", worker_env=env)
+    projections = "team-float32-widened" if widen else "team-bfloat16"
+    assert f'"projections": "{projections}"' in stack.worker.output()
     check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} team/hf")
 
 

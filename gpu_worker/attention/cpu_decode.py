@@ -29,7 +29,6 @@ ARGTYPES = {
     name: [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, *[_I32] * 6, _F32, _I32, _P]
     for name in ENTRY_POINTS.values()
 }
-_on_team: set[int] = set()  # ids of the libraries told the team's address
 
 
 def supports(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
@@ -65,12 +64,7 @@ def paged_decode(
     lib = load()
     assert lib is not None, "the CPU decode kernel is not available"
     fn = getattr(lib, ENTRY_POINTS[k_cache.dtype])
-    gen = None
-    if cpu_team.active():  # the items on the team (its generation back in `gen`)
-        if id(lib) not in _on_team:
-            lib.paged_decode_set_team(ctypes.c_void_p(cpu_team.runner_address()))
-            _on_team.add(id(lib))
-        gen = ctypes.c_uint64(0)
+    gen = cpu_team.generation_for(lib, "paged_decode_set_team")  # None: OpenMP
     num_seqs = rows.shape[0]
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = k_cache.shape

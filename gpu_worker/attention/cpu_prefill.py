@@ -37,7 +37,6 @@ ARGTYPES = {
     + [ctypes.c_void_p]
     for name in ENTRY_POINTS.values()
 }
-_on_team: set[int] = set()  # ids of the libraries told the team's addresses
 # The head sizes and dtypes the decode kernel takes (the same TILE and MAX_HEAD_DIM in C).
 supports = cpu_decode.supports
 
@@ -85,13 +84,7 @@ def prefill_attention(
     lib = load()
     assert lib is not None, "the CPU prefill kernel is not available"
     fn = getattr(lib, ENTRY_POINTS[q.dtype])
-    gen = None
-    if cpu_team.active():  # phase 2 on the team (its generation back in `gen`)
-        if id(lib) not in _on_team:
-            runner, left = cpu_team.runner_address(), cpu_team.left_gen_address()
-            lib.prefill_attention_set_team(ctypes.c_void_p(runner), ctypes.c_void_p(left))
-            _on_team.add(id(lib))
-        gen = ctypes.c_uint64(0)
+    gen = cpu_team.generation_for(lib, "prefill_attention_set_team")  # None: OpenMP
     _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert supports(head_dim, q.dtype) and num_heads % num_kv_heads == 0

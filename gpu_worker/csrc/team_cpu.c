@@ -178,8 +178,6 @@ int team_start(int n, const int *cpus, int64_t spin_us, int64_t stall) {
     return num_helpers;
 }
 
-int team_size(void) { return num_helpers; }
-
 uint64_t team_taken_back(void) { return atomic_load(&taken_back_count); }
 
 /* The oldest generation some helper may still be reading: every job at or below it is left. */

@@ -354,13 +354,13 @@ class CausalLM(nn.Module):
 
     def projection_path(self) -> str:
         """How the projections multiply: `F.linear`, `onednn-float32`, `onednn-bfloat16`, or
-        `onednn-float32-widened` (a half-precision model's products in float32)."""
+        `onednn-float32-widened` (a half-precision model's products in float32); `team-...`
+        alike on the CPU team's products."""
         packed = self.lm_head_packed
         if packed is None:
             return "F.linear"
-        if packed.dim() == 3:
-            return f"team-{str(packed.dtype).removeprefix('torch.')}"
-        name = f"onednn-{str(packed.dtype).removeprefix('torch.')}"
+        kind = "team" if packed.dim() == 3 else "onednn"
+        name = f"{kind}-{str(packed.dtype).removeprefix('torch.')}"
         return name + "-widened" if packed.dtype != self.dtype else name
 
     def _packed_in(self, dtype: torch.dtype) -> bool:
@@ -380,10 +380,9 @@ class CausalLM(nn.Module):
         """
         packed = self.lm_head_packed
         if packed is not None and packed.dtype != self.dtype:
-            # Widened: float32 products of the half-precision values, all of them exact already.
-            logits = torch.ops.mkldnn._linear_pointwise(
-                hidden.to(packed.dtype), packed, None, "none", [], ""
-            )
+            # Widened: float32 products of the half-precision values, all of them exact already
+            # (oneDNN's copy or the CPU team's panels, as `_linear` takes either).
+            logits = _linear(hidden.to(packed.dtype), self.lm_head, None, packed)
         elif self.dtype.itemsize < 4:
             logits = _linear(hidden, self.lm_head, None, packed)
             logits, top = self.ops.widen_top(logits, min(REFINE_TOP, logits.shape[1]))  # [R, k]

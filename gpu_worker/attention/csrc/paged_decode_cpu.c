@@ -49,7 +49,10 @@
 
 static team_run_fn team_runner;
 
-void paged_decode_set_team(void *runner) { team_runner = (team_run_fn)runner; }
+void paged_decode_set_team(void *runner, void *left) {
+    (void)left; /* the items' inputs are the caller's to hold */
+    team_runner = (team_run_fn)runner;
+}
 
 #define TILE W16
 #define MAX_HEAD_DIM 256
@@ -403,20 +406,20 @@ static inline __attribute__((always_inline)) int paged_decode(
     /* A multiple of TILE floats (64 bytes), as aligned_alloc wants. */
     const size_t scratch = (size_t)ng * rep * ((size_t)stride + 2 * (size_t)head_dim);
     const int items = num_seqs * splits;
+    if (team_gen != NULL) *team_gen = 0;
+    for (int s = 0; s < num_seqs; s++)
+        if (seq_lens[s] < 1 || seq_lens[s] > max_len) return 3;
+    decode_job j = {q,         k_cache,      v_cache,  rows,       block_tables,
+                    seq_lens,  out,          NULL,     q_token_stride, table_stride,
+                    num_heads, num_kv_heads, head_dim, block_size, stride,
+                    splits,    ng,           rep,      bf16,       scale};
     if (on_team) {
-        *team_gen = 0;
-        for (int s = 0; s < num_seqs; s++)
-            if (seq_lens[s] < 1 || seq_lens[s] > max_len) return 3;
-        float *buf = (float *)aligned_alloc(64, sizeof(float) * scratch);
-        if (buf == NULL) return 1;
-        const decode_job j = {q,      k_cache,   v_cache,    rows,         block_tables,
-                              seq_lens, out,     buf,        q_token_stride, table_stride,
-                              num_heads, num_kv_heads, head_dim, block_size, stride,
-                              splits, ng,        rep,        bf16,         scale};
+        j.main_buf = (float *)aligned_alloc(64, sizeof(float) * scratch);
+        if (j.main_buf == NULL) return 1;
         /* a helper's scratch: the work buffers, then its item's output */
         const int64_t helper_floats = (int64_t)scratch + (int64_t)ng * rep * head_dim;
         *team_gen = team_runner(decode_item, decode_copy, &j, sizeof j, items, helper_floats);
-        free(buf);
+        free(j.main_buf);
         return 0;
     }
     int failed = 0;
@@ -427,30 +430,11 @@ static inline __attribute__((always_inline)) int paged_decode(
 #pragma omp atomic write
             failed = 1;
         }
-        float *scores = buf, *qbuf = buf + (size_t)ng * rep * stride;
-        float *acc = qbuf + (size_t)ng * rep * head_dim;
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
             if (buf == NULL) continue;
-            const int s = item / splits, g0 = item % splits * ng;
-            if (seq_lens[s] < 1 || seq_lens[s] > max_len) {
-#pragma omp atomic write
-                failed = 3;
-                continue;
-            }
-            const char *qs = (const char *)q + rows[s] * q_token_stride * esize;
-            char *o = (char *)out + rows[s] * num_heads * head_dim * esize;
-            const int32_t *table = block_tables + (int64_t)s * table_stride;
-#define DECODE(D)                                                                             \
-    decode_heads(qs, k_cache, v_cache, table, seq_lens[s], o, scores, qbuf, acc, g0, ng, rep, \
-                 num_kv_heads, D, block_size, stride, scale, bf16)
-            switch (head_dim) {
-            case 32: DECODE(32); break;
-            case 64: DECODE(64); break;
-            case 128: DECODE(128); break;
-            default: DECODE(head_dim); break;
-            }
-#undef DECODE
+            char *o = (char *)out + rows[item / splits] * num_heads * head_dim * esize;
+            decode_item_into(&j, item, buf, o, bf16);
         }
         free(buf);
     }
