@@ -105,7 +105,8 @@ def _run(mode: str, threads: int, reps: int, shapes: list[tuple[Any, ...]], nois
     ]
     try:
         out = subprocess.run(
-            [sys.executable, "-c", CHILD, mode, str(threads), str(reps), json.dumps(shapes)]
+            [sys.executable, "-X", "faulthandler", "-c", CHILD, mode, str(threads), str(reps)]
+            + [json.dumps(shapes)]
             + [json.dumps(cpus)],
             capture_output=True,
             text=True,
@@ -113,7 +114,7 @@ def _run(mode: str, threads: int, reps: int, shapes: list[tuple[Any, ...]], nois
             timeout=1800,
         )
         if out.returncode != 0:
-            raise RuntimeError(f"{mode}: {out.stderr[-3000:]}")
+            raise RuntimeError(f"{mode}: exit code {out.returncode}: {out.stderr[-3000:]}")
     finally:
         for p in noisy:
             p.kill()

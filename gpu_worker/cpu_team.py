@@ -25,8 +25,10 @@ in-process engines, AMX) nothing changes: projections stay on oneDNN.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
+import time
 from collections import deque
 from pathlib import Path
 
@@ -102,7 +104,8 @@ def wanted(device: str, dtype: torch.dtype, threads: int, bound: bool) -> bool:
 def start(helper_cpus: list[int], spin_us: int = SPIN_US, stall_us: int = 0) -> int:
     """Starts one helper per entry of `helper_cpus` (bound to that CPU, or unbound for -1);
     returns how many run (0 where the library cannot build). Call from the model's thread.
-    `stall_us` (tests) pauses each helper that long after every item, as if it lost its core."""
+    `stall_us` (tests) pauses each helper that long on every item it claims, before computing
+    it, as if it lost its core there."""
     global _lib
     lib = _lib or _load()
     if lib is None or not helper_cpus:
@@ -110,7 +113,18 @@ def start(helper_cpus: list[int], spin_us: int = SPIN_US, stall_us: int = 0) -> 
     cpus = (ctypes.c_int * len(helper_cpus))(*helper_cpus)
     started = int(lib.team_start(len(helper_cpus), cpus, spin_us, stall_us))
     _lib = lib if started else None
+    if started:
+        atexit.register(_let_go)
     return started
+
+
+def _let_go(timeout_s: float = 1.0) -> None:
+    """At exit, before the interpreter frees what `hold` keeps: waits (bounded) for helpers
+    still computing a taken-back item to leave it."""
+    end = time.monotonic() + timeout_s
+    while _held and time.monotonic() < end:
+        hold(0)
+        time.sleep(0.0005)
 
 
 def active() -> bool:
@@ -157,7 +171,7 @@ def linear(
         None if b is None else b.data_ptr(),
         out.data_ptr(),
     )
-    hold(gen, x, b)
+    hold(gen, x, panels, b)
     return out
 
 

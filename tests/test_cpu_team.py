@@ -28,14 +28,17 @@ pytestmark = pytest.mark.serial
 
 
 def _child(script: str) -> dict:
+    """Runs a check in a process of its own. Every block over 64 KiB is its own mapping there,
+    unmapped when freed (a fixed mmap threshold), so a helper reading an input after Python
+    let go of it kills the process (rc -11) rather than reading stale memory."""
     out = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"},
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -98,11 +101,40 @@ def test_products_on_the_team_equal_torchs() -> None:
 
 
 def test_items_of_a_helper_without_a_core_are_taken_back() -> None:
-    """A helper that stalls after every item (as if the gateway took its core): the caller
-    takes its items back, every product is still right, and the late results are dropped."""
+    """A helper that stalls on every item it claims (as if the gateway took its core): the
+    caller takes its items back, every product is still right, and the late results are dropped."""
     got = _products(CPUS[0], [CPUS[-1]], 5, stall_us=2000)
     assert got["worst"] < 1e-6
     assert got["taken_back"] > 0
+
+
+LIFETIME = """
+import json, os, torch
+from gpu_worker import cpu_team
+os.sched_setaffinity(0, {CALLER})
+assert cpu_team.start(HELPERS, stall_us=3000) == len(HELPERS)
+gen = torch.Generator().manual_seed(1)
+worst = 0.0
+for _ in range(20):
+    w = torch.randn(1024, 256, generator=gen)
+    x = torch.randn(64, 256, generator=gen)
+    b = torch.randn(1024, generator=gen)
+    want = x.double() @ w.double().T + b.double()
+    got = cpu_team.linear(x, cpu_team.pack(w), 1024, b)  # the panels' last reference goes here
+    del x, b
+    worst = max(worst, float((got.double() - want).abs().max()))
+print(json.dumps({"worst": worst, "taken_back": cpu_team.taken_back()}))
+"""
+
+
+def test_inputs_outlive_a_helper_that_lost_its_item() -> None:
+    """The caller takes a stalled helper's item back and returns; the helper then computes it
+    from the product's inputs (a late result, dropped): the panels, rows and bias, whose last
+    references the script drops at once, must outlive it (`_child` unmaps freed blocks)."""
+    script = LIFETIME.replace("CALLER", str(CPUS[0])).replace("HELPERS", repr([CPUS[-1]]))
+    got = _child(script)
+    assert got["taken_back"] > 0
+    assert got["worst"] < 1e-3
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="one core: the worker starts no team")
@@ -124,7 +156,7 @@ def test_a_float32_worker_on_the_team_matches_transformers(
 
 def _same_as_openmp(script: str, stall_us: int) -> None:
     """Runs a script that compares a kernel on the team with its OpenMP path in a child: with a
-    helper on a core of its own (stall_us 0), or one that stalls after every item (its items
+    helper on a core of its own (stall_us 0), or one that stalls on every item (its items
     taken back: some must have been)."""
     helper = CPUS[-1] if len(CPUS) > 1 or stall_us else None
     if helper is None:
@@ -158,7 +190,7 @@ print(json.dumps({"same": same, "taken_back": cpu_team.taken_back()}))
 @pytest.mark.parametrize("stall_us", [0, 2000])
 def test_decode_attention_on_the_team_equals_its_openmp_path(stall_us: int) -> None:
     """Each sequence's heads are the same arithmetic wherever they run: bit for bit, with a
-    helper on a core of its own and with one that stalls after every item."""
+    helper on a core of its own and with one that stalls on every item."""
     _same_as_openmp(DECODE, stall_us)
 
 

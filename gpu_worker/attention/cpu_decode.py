@@ -98,7 +98,7 @@ def paged_decode(
         None if gen is None else ctypes.byref(gen),
     )
     if gen is not None:
-        cpu_team.hold(gen.value, q, rows, block_tables, seq_lens)
+        cpu_team.hold(gen.value, q, rows, k_cache, v_cache, block_tables, seq_lens)
     if failed == 1:
         raise MemoryError("the CPU decode kernel could not allocate its scratch space")
     if failed:

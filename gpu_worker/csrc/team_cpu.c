@@ -74,7 +74,7 @@ static _Atomic uint64_t left_gen[MAX_HELPERS]; /* the last generation each helpe
 static pthread_t threads[MAX_HELPERS];
 static int num_helpers;
 static int64_t spin_ns = 100000;
-static int64_t stall_us; /* fault injection (tests): each helper pauses this long per item */
+static int64_t stall_us; /* fault injection (tests): each helper pauses this long per claim */
 static uint64_t gen_counter;
 static _Atomic uint64_t taken_back_count; /* items the caller took back from a helper */
 
@@ -140,8 +140,10 @@ static void *helper_main(void *arg) {
                     continue;
                 break;
             }
+            /* as if it lost its core after claiming the item: taken back, then computed from
+             * inputs the caller must still keep alive (team_left_gen) */
+            if (stall_us > 0) usleep((useconds_t)stall_us);
             local.run(local.params, i, scratch);
-            if (stall_us > 0) usleep((useconds_t)stall_us); /* as if it lost its core */
             expect = st(gen, HELPER);
             if (!atomic_compare_exchange_strong(&states[i], &expect, st(gen, COPYING))) break;
             local.copy(local.params, i, scratch);
@@ -153,8 +155,8 @@ static void *helper_main(void *arg) {
 }
 
 /* Starts `n` helpers, helper i bound to cpus[i] where cpus[i] >= 0; `stall` (tests only: 0)
- * makes each helper pause that many microseconds after every item. Returns the helpers running
- * (a second call starts none). */
+ * makes each helper pause that many microseconds on every item it claims, before computing it.
+ * Returns the helpers running (a second call starts none). */
 int team_start(int n, const int *cpus, int64_t spin_us, int64_t stall) {
     if (num_helpers > 0 || n <= 0) return num_helpers;
     if (n > MAX_HELPERS) n = MAX_HELPERS;
