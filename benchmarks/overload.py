@@ -22,14 +22,16 @@ Phases, one `up` for all of them:
 
 The server runs with `--max-queue-delay` (the benchmark's flag of that name; `off` drops it):
 admission refuses what would wait longer than that for its first token behind the others. It
-is the trade between the admitted requests' first-token latency and the capacity, and fits a
-model when set near its unloaded TTFT (the default, 20 ms, is tiny's; SmolLM2 on two cores:
-about 0.1 s).
+is the trade between the admitted requests' first-token latency and the capacity: the bound
+that keeps the admitted TTFT p99 within 2x of the unloaded one on two cores is the default
+per preset (`BOUNDS`: tiny 2 ms, whose lone prompt step takes a few milliseconds; SmolLM2
+0.1 s), 20 ms for any other model.
 `--server-args` passes more `up` flags. The load's requests each open a connection of their
 own through a bare HTTP/1.1 client, since the load generator shares the server's cores.
 
     python -m benchmarks.overload --preset tiny
-    python -m benchmarks.overload --preset smollm2 --max-queue-delay 0.1
+    python -m benchmarks.overload --preset smollm2
+    python -m benchmarks.overload --preset tiny --max-queue-delay 0.02 --overload 10
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ from pagedserve.bench.client import post, sse_payloads
 from pagedserve.heap import freeze_heap
 
 STALL_TIMEOUT_S = 5.0
+# --max-queue-delay by preset (seconds): what kept admitted TTFT p99 within 2x on two cores.
+BOUNDS = {"tiny": "0.002", "smollm2": "0.1"}
 
 
 @dataclass
@@ -320,7 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--capacity-seconds", type=float, default=20.0)
     p.add_argument("--unloaded", type=int, default=50, help="sequential requests, unloaded")
     p.add_argument(
-        "--max-queue-delay", default="0.02", help="the server's --max-queue-delay (s, or off)"
+        "--max-queue-delay",
+        default=None,
+        help="the server's --max-queue-delay (s, or off); default by preset (BOUNDS), else 0.02",
     )
     p.add_argument("--slow-readers", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -329,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    if a.max_queue_delay is None:
+        a.max_queue_delay = BOUNDS.get(a.preset, "0.02")
 
     model = model_dir(a.preset)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
