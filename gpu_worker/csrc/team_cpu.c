@@ -452,7 +452,8 @@ static uint64_t gemm_run(gemm_params g) {
 }
 
 /* c [m, n] = a [m, k] @ w.T (+ bias [n], or NULL), w packed by pack_f32; a and c contiguous.
- * Returns team_run_items' generation (nonzero: keep `a` alive until team_left_gen() reaches it). */
+ * Returns team_run_items' generation (nonzero: keep a, wp and bias alive until team_left_gen()
+ * reaches it). */
 uint64_t gemm_f32(const float *a, int64_t m, int64_t k, const float *wp, int64_t n,
                   const float *bias, float *c) {
     return gemm_run((gemm_params){a, wp, bias, c, m, k, n, 0, 0, 0});

@@ -106,8 +106,7 @@ static inline __attribute__((always_inline)) void rows_block(
     }
 }
 
-/* Phase 2's item `it` (latest tiles first) into `oh0` + head h's columns, rows `out_stride`
- * elements apart from the segment's row 0; scores: R rows of the step's widest segment. */
+/* Phase 2 on the team: what each item needs (team.h copies it for the helpers). */
 typedef struct {
     const void *q;
     const float *kv;
@@ -122,23 +121,36 @@ typedef struct {
     float scale;
 } prefill_job;
 
+/* Phase 2's item `it`: segment s, head h, query tile `tile`, whose rows end before `end`. */
+typedef struct {
+    int s, h, tile, end;
+} tile_place;
+
+static inline tile_place place_of(const int *first_item, const int32_t *lens, int it) {
+    int s = 0;
+    while (first_item[s + 1] <= it) s++;
+    const int local = it - first_item[s], tiles = (lens[s] + QT - 1) / QT;
+    const int tile = local % tiles, end = (tile + 1) * QT < lens[s] ? (tile + 1) * QT : lens[s];
+    return (tile_place){s, local / tiles, tile, end};
+}
+
+/* Phase 2's item `it`: into `out` at its rows and head h's columns, or, with `oh_override`,
+ * into that buffer from the tile's first row on, rows `override_stride` elements apart (a
+ * helper's scratch); scores: R rows of the step's widest segment. */
 static inline __attribute__((always_inline)) void phase2_item(
     const void *q, int64_t q_stride, const float *kv, const int64_t *base, const int *first_item,
     const int32_t *starts, const int32_t *lens, int it, int num_heads, int rep, int D,
     float scale, float *scores, char *oh_override, int64_t override_stride, void *out,
     const int bf16) {
     const int esize = bf16 ? 2 : 4;
-    int s = 0;
-    while (first_item[s + 1] <= it) s++;
-    const int local = it - first_item[s], tiles = (lens[s] + QT - 1) / QT;
-    const int h = local / tiles, tile = local % tiles, g = h / rep, L = lens[s];
+    const tile_place t = place_of(first_item, lens, it);
+    const int s = t.s, h = t.h, tile = t.tile, g = h / rep, L = lens[s], end = t.end;
     const int ld = (L + TILE - 1) / TILE * TILE;
     const float *kt = kv + base[s] + (int64_t)g * 2 * D * ld, *vf = kt + (int64_t)D * ld;
     const char *qh = (const char *)q + ((int64_t)starts[s] * q_stride + h * D) * esize;
     char *oh = oh_override ? oh_override - (int64_t)tile * QT * override_stride * esize
                            : (char *)out + ((int64_t)starts[s] * num_heads * D + h * D) * esize;
     const int64_t ostride = oh_override ? override_stride : (int64_t)num_heads * D;
-    const int end = (tile + 1) * QT < L ? (tile + 1) * QT : L;
     for (int i0 = tile * QT; i0 < end; i0 += R) {
         const int nr = end - i0 < R ? end - i0 : R;
 #define BLOCK(DIM) rows_block(qh, q_stride, kt, vf, ld, i0, nr, oh, ostride, scores, DIM, scale, bf16)
@@ -168,16 +180,13 @@ static void prefill_item(const void *params, int64_t item, float *scratch) {
 static void prefill_copy(const void *params, int64_t item, const float *scratch) {
     const prefill_job *j = params;
     const int it = j->items - 1 - (int)item, esize = j->bf16 ? 2 : 4;
-    int s = 0;
-    while (j->first_item[s + 1] <= it) s++;
-    const int local = it - j->first_item[s], tiles = (j->lens[s] + QT - 1) / QT;
-    const int h = local / tiles, tile = local % tiles, L = j->lens[s];
-    const int end = (tile + 1) * QT < L ? (tile + 1) * QT : L;
+    const tile_place t = place_of(j->first_item, j->lens, it);
     const char *src = (const char *)(scratch + (size_t)R * j->max_ld);
-    for (int i = tile * QT; i < end; i++)
+    for (int i = t.tile * QT; i < t.end; i++)
         memcpy((char *)j->out +
-                   (((int64_t)j->starts[s] + i) * j->num_heads * j->D + (int64_t)h * j->D) * esize,
-               src + (int64_t)(i - tile * QT) * j->D * esize, (size_t)j->D * esize);
+                   (((int64_t)j->starts[t.s] + i) * j->num_heads * j->D + (int64_t)t.h * j->D) *
+                       esize,
+               src + (int64_t)(i - t.tile * QT) * j->D * esize, (size_t)j->D * esize);
 }
 
 /* Phase 1's buffer on the team: first_item (S + 1 ints), base (S + 1 int64), the widened K/V.
