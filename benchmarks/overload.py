@@ -2,16 +2,18 @@
 
 Phases, one `up` for all of them:
 
-1. **Unloaded**: streamed requests one at a time (mixed lengths): TTFT p50 / p99.
+1. **Unloaded**: streamed requests one at a time (mixed lengths): TTFT p50 / p99, at the
+   client and inside the control plane (admission to the first token leaving the engine).
 2. **Capacity**: `--clients` closed-loop clients for `--capacity-seconds` (each sends its next
    request when the last ends, or after a 429's Retry-After); completed requests per second.
 3. **Overload**: Poisson arrivals at `--overload` × capacity for `--duration` seconds, mixed
    lengths; a share of the clients disconnect mid-stream, another share abort before their
    first token. Reported: status counts (200 / 429 / 5xx), the 429s' latency (at the client,
    and in the gateway from its access lines), the admitted requests' TTFT percentiles against
-   the unloaded figure, the RSS of every process (sampled each second; "flat" compares the
-   last quarter with the first after warm-up), and how late the load client's own event loop
-   woke (what of a latency it measures may be its own).
+   the unloaded figure (and their share inside the engine), the RSS of every process (sampled
+   each second; "flat" compares the last quarter with the first after warm-up), the cores each
+   process kept busy, and how late the load client's own event loop woke (what of a latency
+   it measures may be its own).
 4. **Drain**: once the load stops, the waiting queue empties and no KV block stays in use.
 5. **Slow readers**: streaming clients that never read, for longer than the gateway's
    `--stream-stall-timeout`: the gateway's and control plane's RSS before, at peak and after,
@@ -84,14 +86,38 @@ class Outcome:
 
 @dataclass
 class Sampler:
-    """RSS of named processes, once a second."""
+    """RSS of named processes, once a second, and the CPU seconds each (and the load client)
+    used between the first sample and the last."""
 
     pids: dict[str, int]
     samples: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[float]] = field(default_factory=dict)
 
     def sample(self) -> None:
         for name, pid in self.pids.items():
             self.samples.setdefault(name, []).append(rss_mib(pid))
+            self.cpu.setdefault(name, []).append(cpu_s(pid))
+        t = os.times()
+        self.cpu.setdefault("load client", []).append(t.user + t.system)
+        self.cpu.setdefault("wall", []).append(time.monotonic())
+
+    def cpu_shares(self) -> dict[str, float]:
+        """Cores each process kept busy on average over the sampled span."""
+        wall = self.cpu.get("wall", [0.0])
+        span = wall[-1] - wall[0]
+        if span <= 0:
+            return {}
+        return {k: (v[-1] - v[0]) / span for k, v in self.cpu.items() if k != "wall"}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def rss_mib(pid: int) -> float:
@@ -249,6 +275,19 @@ def gateway_durations(log_text: str, status: int) -> list[float]:
     return out
 
 
+def engine_ttfts(log_text: str) -> list[float]:
+    """Each finished request's first-token time inside the control plane (admission to the
+    token leaving the engine), from its `request_finished` lines: the admitted TTFT without
+    the gateway, the sockets or the load client."""
+    out = []
+    for line in log_text.splitlines():
+        if '"request_finished"' in line and '"time_to_first_token_s": null' not in line:
+            record = json.loads(line[line.index("{") :])
+            if record.get("time_to_first_token_s") is not None:
+                out.append(float(record["time_to_first_token_s"]))
+    return out
+
+
 async def metrics(url: str) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=10) as client:
         text = (await client.get(url + "/metrics")).text
@@ -322,7 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overload", type=float, default=4.0, help="offered load / capacity")
     p.add_argument("--clients", type=int, default=64, help="closed-loop clients for capacity")
     p.add_argument("--capacity-seconds", type=float, default=20.0)
-    p.add_argument("--unloaded", type=int, default=50, help="sequential requests, unloaded")
+    p.add_argument(
+        "--unloaded",
+        type=int,
+        default=200,
+        help="sequential requests, unloaded (a p99 of fewer is hardly more than their maximum)",
+    )
     p.add_argument(
         "--max-queue-delay",
         default=None,
@@ -366,9 +410,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(sequential(url, [body_for(rng, vocab) for _ in range(3)]))  # warm-up
 
         # 1. unloaded
+        log_start = len(up.output())
         unloaded = asyncio.run(sequential(url, [body_for(rng, vocab) for _ in range(a.unloaded)]))
         ttft0 = [o.ttft_s for o in unloaded if o.ttft_s is not None]
-        report["unloaded"] = {"ttft_p50_s": pct(ttft0, 50), "ttft_p99_s": pct(ttft0, 99)}
+        engine0 = engine_ttfts(up.output()[log_start:])
+        report["unloaded"] = {"ttft_p50_s": pct(ttft0, 50), "ttft_p99_s": pct(ttft0, 99),
+                              "engine_ttft_p50_s": pct(engine0, 50),
+                              "engine_ttft_p99_s": pct(engine0, 99)}  # fmt: skip
 
         # 2. capacity
         outs, wall = asyncio.run(closed_loop(url, a.clients, a.capacity_seconds, vocab, a.seed + 2))
@@ -379,12 +427,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "requests_per_s": capacity}  # fmt: skip
 
         # 3. overload
-        sampler = Sampler(pids)
+        sampler = Sampler(pids | {"up": up.proc.pid})
         rate = a.overload * capacity
         lags: list[float] = []
         log_start = len(up.output())
         outs = asyncio.run(poisson(url, rate, a.duration, vocab, a.seed + 1, sampler, lags))
         served = gateway_durations(up.output()[log_start:], 429)
+        engine = engine_ttfts(up.output()[log_start:])
         by_status: dict[str, int] = {}
         for o in outs:
             key = "5xx" if o.status >= 500 else str(o.status) if o.status else "transport"
@@ -403,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "admitted_ttft_p50_s": pct(admitted, 50),
             "admitted_ttft_p99_s": p99,
             "ttft_p99_vs_unloaded": p99 / p99_0 if p99 and p99_0 else None,
+            "engine_ttft_p50_s": pct(engine, 50),
+            "engine_ttft_p99_s": pct(engine, 99),
             "rejected_latency_p50_ms": (pct(rejected, 50) or 0) * 1000,
             "rejected_latency_p99_ms": (pct(rejected, 99) or 0) * 1000,
             "rejected_in_gateway_p50_ms": (pct(served, 50) or 0) * 1000,
@@ -411,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "client_loop_lag_p99_ms": (pct(lags, 99) or 0) * 1000,
             "errors": sorted(errors)[:5],
             "rss": rss,
+            "cpu_cores": sampler.cpu_shares(),
         }
 
         # 4. drain
@@ -476,10 +528,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     amp = report["amplification"]
     rows = [
         ["unloaded TTFT p50 / p99 (ms)", ms(u["ttft_p50_s"], u["ttft_p99_s"])],
+        [
+            "of which in the engine, p50 / p99 (ms)",
+            ms(u["engine_ttft_p50_s"], u["engine_ttft_p99_s"]),
+        ],
         ["capacity (requests/s)", f"{report['capacity']['requests_per_s']:.2f}"],
         ["offered (requests/s)", f"{o['offered_rate']:.2f}"],
         ["status counts", json.dumps(o["status"])],
         ["admitted TTFT p50 / p99 (ms)", ms(o["admitted_ttft_p50_s"], o["admitted_ttft_p99_s"])],
+        ["admitted TTFT p99 / unloaded p99", f"{o['ttft_p99_vs_unloaded'] or 0:.2f}x"],
+        [
+            "of which in the engine, p50 / p99 (ms)",
+            ms(o["engine_ttft_p50_s"], o["engine_ttft_p99_s"]),
+        ],
         [
             "429 latency p50 / p99 (ms)",
             f"{o['rejected_latency_p50_ms']:.1f} / {o['rejected_latency_p99_ms']:.1f}",
@@ -499,6 +560,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"({v['drift']:+.1%})",
             ]
             for k, v in o["rss"].items()
+        ],
+        [
+            "cores busy during the overload",
+            ", ".join(f"{k} {v:.2f}" for k, v in o["cpu_cores"].items()),
         ],
         [
             "after the load: running / waiting / KV in use",

@@ -78,10 +78,12 @@ def queue_delay(
     if backlog.blocks_needed + blocks > backlog.free_blocks:
         return math.inf
     fixed, per_token = cost.line()
-    wait = -elapsed_s
-    for tokens in in_flight_tokens:
-        wait += fixed + per_token * tokens
-    wait = max(0.0, wait)
+    # The oldest plan runs now: what is left of it, none once it has run past its estimate
+    # (its overrun is no credit against the plans behind it, which the worker has not begun).
+    wait = 0.0
+    for i, tokens in enumerate(in_flight_tokens):
+        seconds = fixed + per_token * tokens
+        wait += max(0.0, seconds - elapsed_s) if i == 0 else seconds
     budget = config.max_num_batched_tokens - backlog.rows
     cap = config.max_prefill_tokens_with_decodes
     if backlog.rows and cap is not None:  # prompts share what decodes leave, up to the cap

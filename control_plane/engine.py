@@ -571,10 +571,12 @@ class EngineLoop:
         if self._trace is not None:
             self._traced[plan.step_id] = scheduler.plan_shape(plan)
         self._sent_at[plan.step_id] = time.perf_counter()
-        await self.client.send(plan)
         if not self._in_flight:
             self._waiting_since = time.monotonic()
+        # In flight from here: a request admitted while the write waits must count this plan
+        # ahead of it (a failed send drops every plan in flight).
         self._in_flight.append(plan)
+        await self.client.send(plan)
         return True
 
     def _collect_prompt_logprobs(self, runs: dict[str, PromptLogprobRun]) -> None:

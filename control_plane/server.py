@@ -249,6 +249,7 @@ def _log_finished(req_id: str, chunk: OutputChunk) -> None:
         request_id=req_id,
         finish_reason=chunk.finish_reason,
         completion_tokens=chunk.num_output_tokens,
+        time_to_first_token_s=chunk.time_to_first_token_s,
     )
 
 

@@ -78,6 +78,21 @@ def test_the_delay_counts_steps_in_flight_prompts_ahead_and_running_rows() -> No
     assert queue_delay(cost, CFG, more, [40, 30], 0.0, 50, 1, 4) > delay
 
 
+def test_a_step_past_its_estimate_leaves_the_plans_behind_it_whole() -> None:
+    fixed, per_token = 0.005, 1e-4
+    cost = fitted(fixed, per_token, [1, 10, 100] * 20)
+    # The oldest plan has run three times its estimate (a stalled step): the plan behind it
+    # has not started, so its whole estimate is still ahead of a new request.
+    first = fixed + per_token * 40
+    second = fixed + per_token * 30
+    delay = queue_delay(cost, CFG, IDLE, [40, 30], 3 * first, 50, 1, 4)
+    assert delay == pytest.approx(second)
+    # Half through the oldest: what is left of it, then the next.
+    assert queue_delay(cost, CFG, IDLE, [40, 30], 0.5 * first, 50, 1, 4) == pytest.approx(
+        0.5 * first + second
+    )
+
+
 def test_no_seat_or_no_blocks_is_an_unbounded_wait() -> None:
     cost = fitted(0.005, 1e-4, [1, 10, 100] * 20)
     seats_full = Backlog(rows=31, prefill_tokens=0, seats=31, blocks_needed=0, free_blocks=100)
