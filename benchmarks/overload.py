@@ -92,6 +92,7 @@ class Sampler:
     pids: dict[str, int]
     samples: dict[str, list[float]] = field(default_factory=dict)
     cpu: dict[str, list[float]] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
 
     def sample(self) -> None:
         for name, pid in self.pids.items():
@@ -99,15 +100,14 @@ class Sampler:
             self.cpu.setdefault(name, []).append(cpu_s(pid))
         t = os.times()
         self.cpu.setdefault("load client", []).append(t.user + t.system)
-        self.cpu.setdefault("wall", []).append(time.monotonic())
+        self.times.append(time.monotonic())
 
     def cpu_shares(self) -> dict[str, float]:
         """Cores each process kept busy on average over the sampled span."""
-        wall = self.cpu.get("wall", [0.0])
-        span = wall[-1] - wall[0]
+        span = self.times[-1] - self.times[0] if self.times else 0.0
         if span <= 0:
             return {}
-        return {k: (v[-1] - v[0]) / span for k, v in self.cpu.items() if k != "wall"}
+        return {k: (v[-1] - v[0]) / span for k, v in self.cpu.items()}
 
 
 def cpu_s(pid: int) -> float:
@@ -281,10 +281,10 @@ def engine_ttfts(log_text: str) -> list[float]:
     the gateway, the sockets or the load client."""
     out = []
     for line in log_text.splitlines():
-        if '"request_finished"' in line and '"time_to_first_token_s": null' not in line:
-            record = json.loads(line[line.index("{") :])
-            if record.get("time_to_first_token_s") is not None:
-                out.append(float(record["time_to_first_token_s"]))
+        if '"request_finished"' in line:
+            ttft = json.loads(line[line.index("{") :]).get("time_to_first_token_s")
+            if ttft is not None:
+                out.append(float(ttft))
     return out
 
 
