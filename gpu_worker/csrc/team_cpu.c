@@ -304,6 +304,38 @@ void pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
                 }
 }
 
+#if defined(NARROW_SIMD)
+/* The float32 block where vectors are 8 floats wide (AVX2): its 12 accumulators, the panel
+ * row's two vectors and the broadcast are 15 of the 16 registers. Held as 16-float vectors,
+ * GCC kept them on the stack and the product ran at a sixth of the core's rate. The same
+ * multiply-adds in the same order as the 16-float block. */
+static inline __attribute__((always_inline)) void micro_f32_narrow(const float *a, int64_t lda,
+                                                                   const float *bp, int64_t k,
+                                                                   float *c, int64_t ldc,
+                                                                   int64_t ncols,
+                                                                   const float *bias,
+                                                                   const int mr) {
+    v8 acc[MR][2];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < 2; v++) acc[r][v] = bias ? load8(bias + 8 * v) : splat8(0.0f);
+    for (int64_t kk = 0; kk < k; kk++) {
+        const v8 b0 = load8(bp + kk * NR), b1 = load8(bp + kk * NR + 8);
+        for (int r = 0; r < mr; r++) {
+            const v8 s = splat8(a[r * lda + kk]);
+            acc[r][0] += s * b0;
+            acc[r][1] += s * b1;
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float tmp[NR];
+        float *row = ncols == NR ? c + r * ldc : tmp;
+        store8(row, acc[r][0]);
+        store8(row + 8, acc[r][1]);
+        if (ncols != NR) memcpy(c + r * ldc, tmp, (size_t)ncols * sizeof(float));
+    }
+}
+#endif
+
 /* c[0:mr, 0:ncols] = a[0:mr] @ panel + bias (NULL: none), mr * NV vector accumulators over k.
  * float32: one multiply-add per k. bf16: vdpbf16ps per pair of k (exact products, float32
  * sums; an odd k's last one paired with 0), the output rounded once to bf16. */
@@ -312,6 +344,12 @@ static inline __attribute__((always_inline)) void micro(const void *a_, int64_t 
                                                         int64_t ldc, int64_t ncols,
                                                         const float *bias, const int mr,
                                                         const int bf16) {
+#if defined(NARROW_SIMD)
+    if (!bf16) {
+        micro_f32_narrow(a_, lda, bp_, k, c_, ldc, ncols, bias, mr);
+        return;
+    }
+#endif
     v16 acc[MR][NV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = bias ? load16(bias + v * W16) : splat16(0.0f);
