@@ -6,7 +6,8 @@ streamed step then loses about twice the CPU the edge uses. In a team of helpers
 the model's thread never waits for a helper that lost its core: it takes the helper's item back
 and computes it itself (docs/architecture.md, "The CPU team"). The worker starts the team on a
 CPU when its threads are bound one to a core and there are at most MAX_THREADS of them, for a
-float32 model, or a bf16 one where the CPU has AVX512-BF16 and no AMX (`wanted`). The
+float32 model, a bf16 one whose products are widened to float32 (a CPU without bf16 products),
+or a bf16 one where the CPU has AVX512-BF16 and no AMX (`wanted`). The
 projections then run `gemm_f32` / `gemm_bf16` on the team, the attention kernels run their
 items on it, and torch's own ops run on the model's thread alone. Anywhere else (tests,
 in-process engines, AMX) nothing changes: projections stay on oneDNN.
@@ -85,15 +86,20 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
-def wanted(device: str, dtype: torch.dtype, threads: int, bound: bool) -> bool:
-    """Whether a worker with these settings runs its projections on the team: float32, or
-    bfloat16 where the CPU has AVX512-BF16 but no AMX (oneDNN's AMX tiles outrun these
+def wanted(
+    device: str, dtype: torch.dtype, threads: int, bound: bool, widened: bool = False
+) -> bool:
+    """Whether a worker with these settings runs its projections on the team: float32,
+    bfloat16 whose products are widened to float32 (`widened`: a CPU without bf16 products),
+    or bfloat16 where the CPU has AVX512-BF16 but no AMX (oneDNN's AMX tiles outrun these
     products several times over)."""
     if os.environ.get(SWITCH, "1") == "0" or device != "cpu" or not bound:
         return False
     if not 2 <= threads <= MAX_THREADS:
         return False
     if dtype == torch.bfloat16:
+        if widened:
+            return True
         if cpu_isa.bf16_isa() != "avx512_bf16":
             return False
         lib = _lib or _load()

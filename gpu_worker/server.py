@@ -29,7 +29,7 @@ from gpu_worker.checkpoint import load_config, load_model, model_name, size_on_d
 from gpu_worker.config import DEFAULT_KV_CACHE_MEMORY, DTYPES, WorkerConfig
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
-from gpu_worker.models.llama import CausalLM
+from gpu_worker.models.llama import CausalLM, pack_dtype
 from gpu_worker.parallel import Followers, Shard, TPGroup
 from gpu_worker.team import TeamSizer
 from pagedserve import grpc_security, wire
@@ -149,7 +149,10 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
         torch.set_num_threads(threads)
     dtype = cfg.torch_dtype
     team = torch.get_num_threads()
-    if tp is None and cpu_team.wanted(cfg.device, dtype, team, affinity.is_bound()):
+    # A bf16 model whose products are widened to float32 (a CPU without bf16 products).
+    products = pack_dtype(dtype, torch.device(cfg.device))
+    widened = dtype == torch.bfloat16 and products == torch.float32
+    if tp is None and cpu_team.wanted(cfg.device, dtype, team, affinity.is_bound(), widened):
         # The projections' team: the model's thread and helpers that never stall it; torch's
         # own ops keep to the model's thread (docs/architecture.md, "The CPU team").
         helpers = cpu_team.start(affinity.other_cores(team - 1))

@@ -117,9 +117,12 @@ def test_bf16_on_the_cpu_team_close_to_transformers_bf16(
     spawn: Callable[..., ServerProcess],
 ) -> None:
     """The CPU team's bf16 products (a worker whose threads are bound, on a CPU with
-    AVX512-BF16 and no AMX: tests/test_cpu_team.py) under the same rule."""
-    if cpu_isa.bf16_isa() != "avx512_bf16" or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("the team takes bf16 products only on AVX512-BF16 without AMX, two cores up")
+    AVX512-BF16 and no AMX: tests/test_cpu_team.py), and its float32 products of a widened bf16
+    model (any CPU), under the same rule."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the team runs where the worker has two cores or more")
+    if not widen and cpu_isa.bf16_isa() != "avx512_bf16":
+        pytest.skip("the team takes bf16 products only on AVX512-BF16 without AMX")
     model_dir = make_checkpoint(arch, num_hidden_layers=2)
     prompts = _prompts(6, 4096, seed=11)
     theirs = hf_greedy_top(hf_model(model_dir, dtype=torch.bfloat16), prompts, 16, TOP)
