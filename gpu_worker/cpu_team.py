@@ -27,10 +27,12 @@ in-process engines, AMX) nothing changes: projections stay on oneDNN.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,8 +47,13 @@ MAX_THREADS = 4
 # How long an idle helper spins before it sleeps: longer than the gaps between a step's
 # products (elementwise ops, attention), shorter than a wait for the next plan.
 SPIN_US = 100
+# Multiply-adds from which a torch op with no path on the team (`torch_threads`) runs on an
+# OpenMP team as wide as this one: ~1-2 ms on one core, far more than what OpenMP's threads
+# spinning after the region take from the helpers.
+WIDE_WORK = 1 << 25
 
 _lib: ctypes.CDLL | None = None
+_width = 1  # the running team's threads: the model's and its helpers
 # Inputs of products in which a helper lost an item it may still be reading: (generation,
 # tensor), dropped once every helper has left that generation.
 _held: deque[tuple[int, torch.Tensor]] = deque()
@@ -112,13 +119,14 @@ def start(helper_cpus: list[int], spin_us: int = SPIN_US, stall_us: int = 0) -> 
     returns how many run (0 where the library cannot build). Call from the model's thread.
     `stall_us` (tests) pauses each helper that long on every item it claims, before computing
     it, as if it lost its core there."""
-    global _lib
+    global _lib, _width
     lib = _lib or _load()
     if lib is None or not helper_cpus:
         return 0
     cpus = (ctypes.c_int * len(helper_cpus))(*helper_cpus)
     started = int(lib.team_start(len(helper_cpus), cpus, spin_us, stall_us))
     _lib = lib if started else None
+    _width = started + 1
     if started:
         atexit.register(_let_go)
     return started
@@ -135,6 +143,22 @@ def _let_go(timeout_s: float = 1.0) -> None:
 
 def active() -> bool:
     return _lib is not None
+
+
+@contextlib.contextmanager
+def torch_threads(work: int) -> Iterator[None]:
+    """Around a torch op of `work` multiply-adds that has no path on the team (prompt
+    attention through SDPA): where the team runs and the op is at least WIDE_WORK, torch's
+    threads are as many as the team's for the op (OpenMP's threads bound to the same cores,
+    whose helpers have no items meanwhile), else the model's thread alone, as everywhere."""
+    if _lib is None or _width < 2 or work < WIDE_WORK:
+        yield
+        return
+    torch.set_num_threads(_width)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 def taken_back() -> int:

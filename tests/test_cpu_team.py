@@ -137,6 +137,37 @@ def test_inputs_outlive_a_helper_that_lost_its_item() -> None:
     assert got["worst"] < 1e-3
 
 
+WIDE = """
+import json, os, torch, torch.nn.functional as F
+from gpu_worker import cpu_team
+os.sched_setaffinity(0, CALLER)
+with cpu_team.torch_threads(1 << 40):
+    before = torch.get_num_threads()  # no team yet: left alone
+assert cpu_team.start(HELPERS) == len(HELPERS)
+torch.set_num_threads(1)  # as the worker does once its team runs
+q = torch.randn(1, 4, 300, 32)
+want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+with cpu_team.torch_threads(cpu_team.WIDE_WORK - 1):
+    small = torch.get_num_threads()
+with cpu_team.torch_threads(cpu_team.WIDE_WORK):
+    large = torch.get_num_threads()
+    got = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+print(json.dumps({"before": before, "small": small, "large": large,
+                  "after": torch.get_num_threads(), "worst": float((got - want).abs().max())}))
+"""
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="one core: no helper on a core of its own")
+def test_long_torch_ops_run_on_as_many_threads_as_the_team() -> None:
+    """A long torch op with no path on the team (prompt attention through SDPA) runs on as
+    many OpenMP threads as the team has; short ones and everything after stay on one."""
+    script = WIDE.replace("CALLER", repr(set(CPUS[:2]))).replace("HELPERS", repr([CPUS[1]]))
+    got = _child(script)
+    assert (got["small"], got["large"], got["after"]) == (1, 2, 1)
+    assert got["before"] == 1  # the child's OMP_NUM_THREADS
+    assert got["worst"] < 1e-5
+
+
 @pytest.mark.skipif(len(CPUS) < 2, reason="one core: the worker starts no team")
 def test_a_float32_worker_on_the_team_matches_transformers(
     spawn: Callable[..., ServerProcess], make_checkpoint: Callable[..., Path]

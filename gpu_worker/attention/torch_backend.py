@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu_worker import cpu_team
 from gpu_worker.attention import cpu_decode, cpu_prefill
 from gpu_worker.attention.base import AttentionBackend, BatchLayout
 
@@ -186,22 +187,24 @@ class TorchAttentionBackend(AttentionBackend):
             cpu_prefill.prefill_attention(out, q, k, v, *segments, self.scale)
         else:
             for start, end in self._fresh:
-                out[start:end] = causal_attention(
-                    q[start:end], k[start:end], v[start:end], self.scale
-                )
+                with cpu_team.torch_threads(q.shape[1] * head_dim * (end - start) ** 2):
+                    out[start:end] = causal_attention(
+                        q[start:end], k[start:end], v[start:end], self.scale
+                    )
         for g in self._groups:
             num_seqs = g.token_index.shape[0]
             qg = q[g.token_index].transpose(1, 2)  # [G, Hq, Qmax, D]
             kg = k_cache.index_select(0, g.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
             vg = v_cache.index_select(0, g.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
-            o = F.scaled_dot_product_attention(
-                qg,
-                kg.transpose(1, 2).to(q.dtype),  # [G, Hkv, Bmax * block_size, D]
-                vg.transpose(1, 2).to(q.dtype),
-                attn_mask=g.mask,
-                scale=self.scale,
-                enable_gqa=True,
-            ).transpose(1, 2)  # [G, Qmax, Hq, D]
+            with cpu_team.torch_threads(2 * qg.numel() * kg.shape[1]):
+                o = F.scaled_dot_product_attention(
+                    qg,
+                    kg.transpose(1, 2).to(q.dtype),  # [G, Hkv, Bmax * block_size, D]
+                    vg.transpose(1, 2).to(q.dtype),
+                    attn_mask=g.mask,
+                    scale=self.scale,
+                    enable_gqa=True,
+                ).transpose(1, 2)  # [G, Qmax, Hq, D]
             if g.token_valid is None:
                 out[g.token_index.reshape(-1)] = o.reshape(-1, *o.shape[2:])
             else:
