@@ -48,7 +48,7 @@ MAX_THREADS = 4
 # products (elementwise ops, attention), shorter than a wait for the next plan.
 SPIN_US = 100
 # Multiply-adds from which a torch op with no path on the team (`torch_threads`) runs on an
-# OpenMP team as wide as this one: 5-10 ms on one core, a prompt of 600-700 tokens and up on
+# OpenMP team as wide as this one: 7-13 ms on one core, a prompt of 600-700 tokens and up on
 # the models here. Shorter ops keep to one thread: OpenMP's threads spin after a region, on
 # the helpers' cores (at 2^25, which `small`'s W64 prompts of 210 tokens and up reach, its
 # streamed rate was 2% lower in one A/B on a Zen 2, about this machine's noise).
