@@ -79,9 +79,24 @@ def test_shared_prefix_routing_and_computed_tokens(
     first = run_all(stack, SHARED[:1])
     assert first[0] == expected[tuple(SHARED[0])]
     time.sleep(0.2)  # the index is written off the request path, after the step
-    mid = stack.stats()
 
-    rest = SHARED[1:] + UNRELATED
+    # One at a time, every worker is idle at placement: the prefix alone decides, and every
+    # later shared request goes where the system prompt is cached.
+    mid = stack.stats()
+    serial = SHARED[1:12]
+    outs = run_all(stack, serial, workers=1)
+    for p, out in zip(serial, outs, strict=True):
+        assert out == expected[tuple(p)]
+    after_serial = stack.stats()
+    routed_hits = after_serial.num_routed_with_prefix_hit - mid.num_routed_with_prefix_hit
+    assert routed_hits == len(serial)
+    hit_tokens = after_serial.prefix_cache_hit_tokens - mid.prefix_cache_hit_tokens
+    assert hit_tokens == len(serial) * SYSTEM_LEN
+
+    # Concurrently, load spreads the shared requests over both workers; which of them land on
+    # a worker before its copy of the prefix is in the index depends on timing, so this part
+    # asserts the outputs, the token accounting and a loose share of reuse.
+    rest = SHARED[12:] + UNRELATED
     order = list(range(len(rest)))
     random.Random(5).shuffle(order)
     outs = run_all(stack, [rest[i] for i in order])
@@ -89,9 +104,6 @@ def test_shared_prefix_routing_and_computed_tokens(
         assert out == expected[tuple(rest[i])]
 
     after = stack.stats()
-    routed_hits = after.num_routed_with_prefix_hit - mid.num_routed_with_prefix_hit
-    assert routed_hits >= 0.9 * (len(SHARED) - 1), routed_hits
-
     # Every prompt token was either computed or reused from the cache, never both.
     prompt_tokens = sum(len(p) for p in SHARED + UNRELATED)
     computed = sum(w.num_prompt_tokens_computed for w in after.workers) - sum(
@@ -99,8 +111,10 @@ def test_shared_prefix_routing_and_computed_tokens(
     )
     hit_tokens = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
     assert computed == prompt_tokens - hit_tokens
-    # At least 90% of the later shared requests reused the whole system prompt.
-    assert hit_tokens >= 0.9 * (len(SHARED) - 1) * SYSTEM_LEN
+    # Each worker computes the system prompt at most a handful of times before it is cached.
+    later_shared = len(SHARED) - 12
+    concurrent_hits = after.prefix_cache_hit_tokens - after_serial.prefix_cache_hit_tokens
+    assert concurrent_hits >= (later_shared - 12) * SYSTEM_LEN, concurrent_hits
 
 
 def test_redis_outage_degrades_then_recovers(
