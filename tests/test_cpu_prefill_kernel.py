@@ -1,6 +1,6 @@
-"""The CPU kernel for fresh prompts' causal attention (gpu_worker/attention/csrc/
-prefill_attention_cpu.c) against a float64 reference, and the torch backend with it against
-its SDPA path."""
+"""The CPU kernel for prompt chunks' causal attention (gpu_worker/attention/csrc/
+prefill_attention_cpu.c), fresh and after context in a paged cache, against a float64
+reference, and the torch backend with it against its SDPA path."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ LENS = [1, 2, 5, 16, 17, 33, 40, 100]
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one segment in float64, written out: [T, H, D]."""
+    """Causal attention in float64, written out: [T, H, D] queries, the last T of the [N, KV, D]
+    keys and values (N - T of context before them)."""
     rep = q.shape[1] // k.shape[1]
-    qd, kd, vd = (t.double().transpose(0, 1) for t in (q, k, v))  # [heads, T, D]
+    qd, kd, vd = (t.double().transpose(0, 1) for t in (q, k, v))  # [heads, T or N, D]
     kd, vd = kd.repeat_interleave(rep, 0), vd.repeat_interleave(rep, 0)
     scores = qd @ kd.transpose(1, 2) * scale
-    t = q.shape[0]
-    scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    t, n = q.shape[0], k.shape[0]
+    scores.masked_fill_(torch.ones(t, n, dtype=torch.bool).triu(n - t + 1), float("-inf"))
     return (scores.softmax(-1) @ vd).transpose(0, 1)
 
 
@@ -72,6 +73,90 @@ def test_matches_reference(
     assert bool((out[~written] == 7.0).all())
 
 
+# (context, new rows) per segment: context within a block, on a block's edge, across several
+# blocks, and none (a fresh prompt in the same call).
+CHUNKS = [(5, 3), (16, 17), (37, 1), (0, 9), (70, 40), (1, 33)]
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 4, 32), (9, 3, 64)])
+def test_chunks_after_paged_context_match_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """Each segment's context is read from a paged cache through a shuffled block table in the
+    cache's dtype; its own rows come from the step's k and v."""
+    torch.manual_seed(num_heads)
+    bs, width = 16, 8
+    num_blocks = len(CHUNKS) * width + 3
+    k_cache = torch.randn(num_blocks, bs, num_kv_heads, head_dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, bs, num_kv_heads, head_dim).to(cache_dtype)
+    tables = torch.randperm(num_blocks)[: len(CHUNKS) * width].view(len(CHUNKS), width)
+    tables = tables.to(torch.int32).contiguous()
+    starts, at = [], 2
+    for _, n in CHUNKS:
+        starts.append(at)
+        at += n + 1
+    qkv = torch.randn(at, num_heads + 2 * num_kv_heads, head_dim).to(dtype)
+    q = qkv[:, :num_heads]
+    k = qkv[:, num_heads : num_heads + num_kv_heads]
+    v = qkv[:, num_heads + num_kv_heads :]
+    out = torch.full((at, num_heads, head_dim), 7.0, dtype=dtype)
+    scale = head_dim**-0.5
+    context = cpu_prefill.PagedContext(
+        torch.tensor([c for c, _ in CHUNKS], dtype=torch.int32), k_cache, v_cache, tables
+    )
+    cpu_prefill.prefill_attention(
+        out,
+        q,
+        k,
+        v,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor([n for _, n in CHUNKS], dtype=torch.int32),
+        scale,
+        context,
+    )
+    written = torch.zeros(at, dtype=torch.bool)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    for s, (start, (c, n)) in enumerate(zip(starts, CHUNKS, strict=True)):
+        slots = (tables[s].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:c]
+        flat = (-1, num_kv_heads, head_dim)
+        rows = slice(start, start + n)
+        keys = torch.cat([k_cache.view(flat)[slots].to(dtype), k[rows]])
+        values = torch.cat([v_cache.view(flat)[slots].to(dtype), v[rows]])
+        want = _reference(q[rows], keys, values, scale)
+        torch.testing.assert_close(out[rows].double(), want, rtol=tol, atol=1e-5)
+        written[rows] = True
+    assert bool((out[~written] == 7.0).all())
+
+
+@needs_kernel
+def test_context_past_the_block_table_is_refused() -> None:
+    x = torch.zeros(4, 2, 32)
+    cache = torch.zeros(3, 16, 2, 32)
+    context = cpu_prefill.PagedContext(
+        torch.tensor([33], dtype=torch.int32), cache, cache, torch.zeros(1, 2, dtype=torch.int32)
+    )
+    with pytest.raises(ValueError, match="code 3"):
+        cpu_prefill.prefill_attention(
+            torch.zeros_like(x),
+            x,
+            x,
+            x,
+            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([4], dtype=torch.int32),
+            1.0,
+            context,
+        )
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
@@ -88,7 +173,10 @@ def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
             backend.use_prefill_kernel = on  # whatever this CPU would prefer
 
         def check(backend: TorchAttentionBackend, seqs: Step, on: bool = on) -> None:
-            assert (backend._fresh_segments is not None) == on
+            assert (backend._segments is not None) == on
+            # With it, chunks after context go to the kernel too: nothing is gathered.
+            chunks = any(c > 0 and n > 1 for _, c, n in seqs)
+            assert len(backend._groups) == (0 if on else int(chunks))
 
         outs[on] = backend_outputs(steps, dtype, configure, check)
     assert_paths_agree(outs[True], outs[False], dtype)

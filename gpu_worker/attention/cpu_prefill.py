@@ -1,7 +1,10 @@
-"""The CPU kernel for causal attention of fresh prompts (`csrc/prefill_attention_cpu.c`): load
+"""The CPU kernel for causal attention of prompt chunks (`csrc/prefill_attention_cpu.c`): load
 and call, for float32 or bfloat16 q, k and v (float32 arithmetic in both).
 
-A prompt whose whole context is in the step attends only among its own new rows. Torch's CPU
+A prompt whose whole context is in the step attends only among its own new rows; a chunk after
+cached context (a prefix-cache hit, a long prompt's later chunk, a resumed request) also
+attends to the context's keys, which the kernel reads from the paged cache through the
+sequence's block table, in the cache's dtype (`PagedContext`). Torch's CPU
 SDPA computes that per sequence at a small fraction of the machine's multiply-add rate for
 prompt lengths of a few hundred tokens (bf16 without AMX: 20-45 GFLOP/s at 64-512 tokens on a
 2-core AVX-512 machine); this kernel widens each sequence's K and V to float32 once and
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,10 +35,24 @@ from gpu_worker.attention import cpu_decode
 
 SOURCE = Path(__file__).with_name("csrc") / "prefill_attention_cpu.c"
 ENTRY_POINTS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
+
+
+class _PagedContext(ctypes.Structure):
+    _fields_ = [
+        ("ctx", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64),
+        ("block_size", ctypes.c_int32),
+        ("cache_bf16", ctypes.c_int32),
+    ]
+
+
 ARGTYPES = {
     name: [*[ctypes.c_void_p, ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p]
     + [ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 3, ctypes.c_float, ctypes.c_int]
-    + [ctypes.c_void_p]
+    + [ctypes.POINTER(_PagedContext), ctypes.c_void_p]
     for name in ENTRY_POINTS.values()
 }
 # The head sizes and dtypes the decode kernel takes (the same TILE and MAX_HEAD_DIM in C).
@@ -65,6 +83,18 @@ def _token_rows(t: torch.Tensor) -> int:
     return t.stride(0)
 
 
+@dataclass
+class PagedContext:
+    """The cached keys before each segment: `ctx` [S] int32 of them, read from `k_cache`,
+    `v_cache` [num_blocks, block_size, KV, D] (contiguous, float32 or bfloat16) through
+    `block_tables` [S, W] int32 (contiguous)."""
+
+    ctx: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+
+
 def prefill_attention(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -73,9 +103,11 @@ def prefill_attention(
     starts: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    context: PagedContext | None = None,
 ) -> None:
     """Writes, for each segment s, rows starts[s] .. starts[s] + lens[s] - 1 of `out`: causal
-    attention of those rows of q over the same rows of k and v.
+    attention of those rows of q over the segment's cached keys (`context`; none without it)
+    and the same rows of k and v.
 
     out [T, H, D] contiguous; q [T, H, D], k and v [T, KV, D], each token's heads contiguous
     (any token stride: views of a fused qkv projection do); starts, lens [S] int32 (segments
@@ -94,6 +126,29 @@ def prefill_attention(
     assert out.is_contiguous() and out.shape == q.shape
     assert starts.dtype == lens.dtype == torch.int32
     assert starts.is_contiguous() and lens.is_contiguous() and starts.shape == lens.shape
+    pc = None
+    if context is not None:
+        kc, vc, tables, ctx = (
+            context.k_cache,
+            context.v_cache,
+            context.block_tables,
+            context.ctx,
+        )
+        assert kc.dtype == vc.dtype and supports(head_dim, kc.dtype)
+        assert kc.shape == vc.shape and kc.shape[2:] == (num_kv_heads, head_dim)
+        assert kc.is_contiguous() and vc.is_contiguous()
+        assert tables.dtype == ctx.dtype == torch.int32
+        assert tables.is_contiguous() and ctx.is_contiguous()
+        assert tables.shape[0] == ctx.shape[0] == starts.shape[0]
+        pc = _PagedContext(
+            ctx.data_ptr(),
+            kc.data_ptr(),
+            vc.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            kc.shape[1],
+            int(kc.dtype == torch.bfloat16),
+        )
     failed = fn(
         q.data_ptr(),
         _token_rows(q),
@@ -110,10 +165,11 @@ def prefill_attention(
         head_dim,
         scale,
         torch.get_num_threads(),
+        None if pc is None else ctypes.byref(pc),
         None if gen is None else ctypes.byref(gen),
     )
     if gen is not None:
-        cpu_team.hold(gen.value, q, starts, lens)
+        cpu_team.hold(gen.value, q, starts, lens, None if context is None else context.ctx)
     if failed == 1:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch space")
     if failed:

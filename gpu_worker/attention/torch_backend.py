@@ -7,11 +7,12 @@ causal mask; each layer then gathers whole K/V blocks through those ids and runs
 scaled_dot_product_attention. Padding exists only inside a group and only up to the group's
 longest sequence (rounded up to whole blocks; the mask hides the tail).
 
-A prefill with no cached context (the whole prompt in this step) attends only to the step's
-own new K/V, so it runs causal attention straight on its slice of q, k, v: no gather, no
-padding. On a CPU with AVX-512 in float32 or bfloat16 one call of `cpu_prefill` (a C kernel)
-computes every such prompt of the step; elsewhere (and on CPUs without AVX-512, where SDPA is
-faster: `cpu_prefill.preferred`) each runs causal SDPA (`causal_attention`).
+On a CPU with AVX-512 in float32 or bfloat16 one call of `cpu_prefill` (a C kernel) computes
+every prefill of the step: fresh prompts from the step's own K/V, chunks after cached context
+reading that context through their block tables. Elsewhere (and on CPUs without AVX-512, where
+SDPA is faster: `cpu_prefill.preferred`) a prefill with no cached context (the whole prompt in
+this step) runs causal SDPA straight on its slice of q, k, v (`causal_attention`): no gather,
+no padding; chunks after context take the gathered, masked path above.
 
 On a CPU with a float32 or bfloat16 cache the decode group skips the gather: `cpu_decode` (a
 small C kernel) reads K/V in place through the block tables, one pass over each context. Other
@@ -67,16 +68,29 @@ class _KernelDecodes:
     max_len: int
 
 
+@dataclass
+class _KernelPrefills:
+    """The step's prefills for `cpu_prefill`, in calls of at most MAX_WIDENED_FLOATS."""
+
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    # (starts, lens, ctx, block_tables): ctx and block_tables None where no segment has context
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    # The prefill kernel widens each call's keys and values to float32 (KV x 2 x D floats per
+    # key, context included); a step whose prefills need more splits into several calls.
+    MAX_WIDENED_FLOATS = 1 << 25
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._groups: list[_Group] = []
         self._decodes: _KernelDecodes | None = None
         self._fresh: list[tuple[int, int]] = []  # (first token row, end) of fresh prefills
-        # The same as the prefill kernel's (starts, lens); None when it is not used.
-        self._fresh_segments: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Every prefill of the step for the prefill kernel; None when it is not used.
+        self._segments: _KernelPrefills | None = None
+        self._chunks: list[int] = []  # prefills after cached context, for the fallback
+        self._layout: BatchLayout | None = None
         self._slots = torch.empty(0, dtype=torch.long)
         kv = self.cache.kv
         self.use_decode_kernel = (
@@ -94,20 +108,50 @@ class TorchAttentionBackend(AttentionBackend):
         decode = [s for s, n in enumerate(q_lens) if n == 1]
         prefill = [s for s, n in enumerate(q_lens) if n > 1]
         fresh = [s for s in prefill if layout.seq_lens_host[s] == q_lens[s]]
-        prefill = [s for s in prefill if layout.seq_lens_host[s] != q_lens[s]]
-        starts = layout.query_start_loc.tolist() if fresh else []
+        chunks = [s for s in prefill if layout.seq_lens_host[s] != q_lens[s]]
+        starts = layout.query_start_loc.tolist() if prefill else []
         self._fresh = [(starts[s], starts[s] + q_lens[s]) for s in fresh]
-        self._fresh_segments = None
-        if fresh and self.use_prefill_kernel:
-            self._fresh_segments = (
-                torch.tensor([starts[s] for s in fresh], dtype=torch.int32),
-                torch.tensor([q_lens[s] for s in fresh], dtype=torch.int32),
-            )
+        self._segments = None
+        self._layout, self._chunks = layout, chunks
+        if prefill and self.use_prefill_kernel and self._kernel_reads_cache():
+            self._segments = self._kernel_prefills(layout, fresh + chunks, starts)
+            chunks = []
         self._decodes = None
         if decode and self.use_decode_kernel:
             self._decodes = self._kernel_decodes(layout, decode)
             decode = []
-        self._groups = [self._build_group(layout, g) for g in (decode, prefill) if g]
+        self._groups = [self._build_group(layout, g) for g in (decode, chunks) if g]
+
+    def _kernel_reads_cache(self) -> bool:
+        kv = self.cache.kv
+        return kv.device.type == "cpu" and cpu_prefill.supports(self.head_dim, kv.dtype)
+
+    def _kernel_prefills(
+        self, layout: BatchLayout, seqs: list[int], starts: list[int]
+    ) -> _KernelPrefills:
+        g = self.cache.geometry
+        per_key = 2 * g.num_kv_heads * g.head_dim
+        calls: list[list[int]] = [[]]
+        widened = 0
+        for s in seqs:
+            keys = -(-layout.seq_lens_host[s] // 16) * 16
+            if calls[-1] and widened + keys * per_key > self.MAX_WIDENED_FLOATS:
+                calls.append([])
+                widened = 0
+            calls[-1].append(s)
+            widened += keys * per_key
+        planned = []
+        for part in calls:
+            ctx = [layout.seq_lens_host[s] - layout.query_lens_host[s] for s in part]
+            seg_starts = torch.tensor([starts[s] for s in part], dtype=torch.int32)
+            lens = torch.tensor([layout.query_lens_host[s] for s in part], dtype=torch.int32)
+            if not any(ctx):
+                planned.append((seg_starts, lens, None, None))
+                continue
+            idx = torch.tensor(part, dtype=torch.long)
+            tables = layout.block_tables.index_select(0, idx).to(torch.int32).contiguous()
+            planned.append((seg_starts, lens, torch.tensor(ctx, dtype=torch.int32), tables))
+        return _KernelPrefills(planned)
 
     def _kernel_decodes(self, layout: BatchLayout, seqs: list[int]) -> _KernelDecodes:
         if len(seqs) == layout.num_seqs:
@@ -182,9 +226,19 @@ class TorchAttentionBackend(AttentionBackend):
             )
             if not same:
                 out[d.rows] = kernel_out[d.rows].to(q.dtype)
-        segments = self._fresh_segments
-        if segments is not None and cpu_prefill.supports(head_dim, q.dtype):
-            cpu_prefill.prefill_attention(out, q, k, v, *segments, self.scale)
+        segments = self._segments
+        if segments is not None and not cpu_prefill.supports(head_dim, q.dtype):
+            # A model dtype the kernel does not take (the float64 oracle over a narrower cache).
+            assert self._layout is not None
+            self._segments = segments = None
+            if self._chunks:
+                self._groups.append(self._build_group(self._layout, self._chunks))
+        if segments is not None:
+            for starts, lens, ctx, tables in segments.calls:
+                context = None
+                if ctx is not None and tables is not None:
+                    context = cpu_prefill.PagedContext(ctx, k_cache, v_cache, tables)
+                cpu_prefill.prefill_attention(out, q, k, v, starts, lens, self.scale, context)
         else:
             for start, end in self._fresh:
                 with cpu_team.torch_threads(q.shape[1] * head_dim * (end - start) ** 2):

@@ -1,21 +1,25 @@
 /*
- * Causal attention of fresh prompts on the CPU: each segment (a sequence whose whole context
- * is this step's tokens) attends among its own rows of the step's q, k and v, row i to keys
- * 0..i. Two entry points share one body: prefill_attention_f32 and prefill_attention_bf16 (q,
- * k, v and out all bfloat16). Arithmetic is float32 in both; only the output is rounded.
+ * Causal attention of prompt chunks on the CPU: each segment is a sequence's new rows in this
+ * step, after C keys of context already in the paged KV cache (C = 0: a fresh prompt). Row i
+ * attends to the C cached keys and to its own segment's rows 0..i of the step's k and v. Two
+ * entry points share one body: prefill_attention_f32 and prefill_attention_bf16 (q, k, v and
+ * out all bfloat16). Arithmetic is float32 in both; only the output is rounded.
  *
  * Layouts (row-major, "elements" floats or bf16 values):
  *   q     token rows q_stride elements apart, each token's H heads of D contiguous
  *   k, v  token rows k_stride / v_stride apart, each token's KV heads of D contiguous
  *   out   [T, H, D] contiguous
  *   starts, lens [S] int32: segment s is token rows starts[s] .. starts[s] + lens[s] - 1
+ *   ctx   [S] int32, the cached keys before each segment's first row, or NULL (all 0)
+ *   k_cache, v_cache [blocks][block_size][KV][D] in float32 or bf16 (`cache_bf16`), read for
+ *         the ctx keys through tables [S][table_stride] int32 (NULL where ctx is)
  *   D     a multiple of 16, at most MAX_HEAD_DIM; H a multiple of KV (grouped queries)
  *
  * Two phases in one parallel region:
  *
- *   1. per (segment, kv head): K widened to float32 and transposed, kt[d][j] (rows padded to
- *      whole tiles of 16 keys with zeros), V widened, vf[j][d]; both in a buffer shared by the
- *      threads.
+ *   1. per (segment, kv head): K widened to float32 and transposed, kt[d][j] (the C cached
+ *      keys, then the segment's own; padded to whole tiles of 16 keys with zeros), V widened,
+ *      vf[j][d]; both in a buffer shared by the threads.
  *   2. per (segment, query head, tile of QT query rows), the late tiles first (a causal tile's
  *      work grows with its rows' positions; dynamic scheduling then evens the threads out):
  *      R query rows at a time, their scores against 16 keys at once (one kt row load feeds R
@@ -46,20 +50,31 @@ void prefill_attention_set_team(void *runner, void *left) {
 
 #define TILE W16
 #define MAX_HEAD_DIM 256
+
+/* Where segments' cached keys are (`ctx` NULL: none has any); one struct, as ctypes passes it. */
+typedef struct {
+    const int32_t *ctx;
+    const void *k_cache, *v_cache;
+    const int32_t *tables;
+    int64_t table_stride;
+    int32_t block_size, cache_bf16;
+} paged_context;
 #define R 4   /* query rows computed together */
 #define QT 32 /* query rows per work item */
 #define DC 4  /* 16-float vectors of the output accumulated per pass over the keys */
 
-/* Rows i0 .. i0+nr-1 (nr <= R) of one query head of one segment. q: the head's first element
- * of segment row 0; kt [D][ld], vf [ld][D] of its kv head; scores: R rows of ld floats. */
+/* Rows i0 .. i0+nr-1 (nr <= R) of one query head of one segment after c cached keys. q: the
+ * head's first element of segment row 0; kt [D][ld], vf [ld][D] of its kv head (key c + i is
+ * row i's own); scores: R rows of ld floats. */
 static inline __attribute__((always_inline)) void rows_block(
-    const void *q, int64_t q_stride, const float *kt, const float *vf, int ld, int i0, int nr,
-    void *out, int64_t out_stride, float *scores, const int D, float scale, const int bf16) {
+    const void *q, int64_t q_stride, const float *kt, const float *vf, int ld, int c, int i0,
+    int nr, void *out, int64_t out_stride, float *scores, const int D, float scale,
+    const int bf16) {
     float qb[R][MAX_HEAD_DIM];
     for (int r = 0; r < R; r++)
         for (int d = 0; d < D; d++)
             qb[r][d] = r < nr ? load_elem(q, (int64_t)(i0 + r) * q_stride + d, bf16) * scale : 0.f;
-    const int last = i0 + nr - 1; /* the block's last row sees keys 0..last */
+    const int last = c + i0 + nr - 1; /* the block's last row sees keys 0..last */
     const int keys = (last + TILE) / TILE * TILE;
 
     for (int j0 = 0; j0 < keys; j0 += TILE) {
@@ -73,8 +88,8 @@ static inline __attribute__((always_inline)) void rows_block(
     }
 
     float inv[R];
-    for (int r = 0; r < nr; r++) /* row i0+r sees keys 0 .. i0+r */
-        inv[r] = softmax_weights16(scores + (int64_t)r * ld, i0 + r + 1, keys);
+    for (int r = 0; r < nr; r++) /* row i0+r sees keys 0 .. c+i0+r */
+        inv[r] = softmax_weights16(scores + (int64_t)r * ld, c + i0 + r + 1, keys);
     for (int r = nr; r < R; r++) { /* rows past the segment: zero weights, never stored */
         memset(scores + (int64_t)r * ld, 0, sizeof(float) * (size_t)keys);
         inv[r] = 0.f;
@@ -113,6 +128,7 @@ typedef struct {
     const int64_t *base;
     const int *first_item;
     const int32_t *lens;
+    const int32_t *ctx;
     void *out; /* the segment rows' output, or NULL for a helper's scratch */
     const int32_t *starts;
     float *main_scores;
@@ -139,13 +155,13 @@ static inline tile_place place_of(const int *first_item, const int32_t *lens, in
  * helper's scratch); scores: R rows of the step's widest segment. */
 static inline __attribute__((always_inline)) void phase2_item(
     const void *q, int64_t q_stride, const float *kv, const int64_t *base, const int *first_item,
-    const int32_t *starts, const int32_t *lens, int it, int num_heads, int rep, int D,
-    float scale, float *scores, char *oh_override, int64_t override_stride, void *out,
-    const int bf16) {
+    const int32_t *starts, const int32_t *lens, const int32_t *ctx, int it, int num_heads,
+    int rep, int D, float scale, float *scores, char *oh_override, int64_t override_stride,
+    void *out, const int bf16) {
     const int esize = bf16 ? 2 : 4;
     const tile_place t = place_of(first_item, lens, it);
     const int s = t.s, h = t.h, tile = t.tile, g = h / rep, L = lens[s], end = t.end;
-    const int ld = (L + TILE - 1) / TILE * TILE;
+    const int c = ctx ? ctx[s] : 0, ld = (c + L + TILE - 1) / TILE * TILE;
     const float *kt = kv + base[s] + (int64_t)g * 2 * D * ld, *vf = kt + (int64_t)D * ld;
     const char *qh = (const char *)q + ((int64_t)starts[s] * q_stride + h * D) * esize;
     char *oh = oh_override ? oh_override - (int64_t)tile * QT * override_stride * esize
@@ -153,7 +169,8 @@ static inline __attribute__((always_inline)) void phase2_item(
     const int64_t ostride = oh_override ? override_stride : (int64_t)num_heads * D;
     for (int i0 = tile * QT; i0 < end; i0 += R) {
         const int nr = end - i0 < R ? end - i0 : R;
-#define BLOCK(DIM) rows_block(qh, q_stride, kt, vf, ld, i0, nr, oh, ostride, scores, DIM, scale, bf16)
+#define BLOCK(DIM) \
+    rows_block(qh, q_stride, kt, vf, ld, c, i0, nr, oh, ostride, scores, DIM, scale, bf16)
         switch (D) {
         case 64: BLOCK(64); break;
         case 128: BLOCK(128); break;
@@ -170,11 +187,13 @@ static void prefill_item(const void *params, int64_t item, float *scratch) {
     float *scores = scratch ? scratch : j->main_scores;
     char *oh = scratch ? (char *)(scratch + (size_t)R * j->max_ld) : NULL;
     if (j->bf16)
-        phase2_item(j->q, j->q_stride, j->kv, j->base, j->first_item, j->starts, j->lens, it,
-                    j->num_heads, j->rep, j->D, j->scale, scores, oh, j->D, j->out, 1);
+        phase2_item(j->q, j->q_stride, j->kv, j->base, j->first_item, j->starts, j->lens,
+                    j->ctx, it, j->num_heads, j->rep, j->D, j->scale, scores, oh, j->D, j->out,
+                    1);
     else
-        phase2_item(j->q, j->q_stride, j->kv, j->base, j->first_item, j->starts, j->lens, it,
-                    j->num_heads, j->rep, j->D, j->scale, scores, oh, j->D, j->out, 0);
+        phase2_item(j->q, j->q_stride, j->kv, j->base, j->first_item, j->starts, j->lens,
+                    j->ctx, it, j->num_heads, j->rep, j->D, j->scale, scores, oh, j->D, j->out,
+                    0);
 }
 
 static void prefill_copy(const void *params, int64_t item, const float *scratch) {
@@ -233,18 +252,25 @@ static inline __attribute__((always_inline)) int prefill_attention(
     const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
     int64_t v_stride, const int32_t *starts, const int32_t *lens, int num_segs, void *out,
     int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads, const int bf16,
-    uint64_t *team_gen) {
+    const paged_context *pc, uint64_t *team_gen) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim % TILE != 0 ||
         head_dim < TILE || head_dim > MAX_HEAD_DIM)
         return 2;
+    const int32_t *ctx = pc != NULL ? pc->ctx : NULL;
+    if (ctx != NULL && (pc->k_cache == NULL || pc->v_cache == NULL || pc->tables == NULL ||
+                        pc->block_size < 1))
+        return 3;
     const int rep = num_heads / num_kv_heads, D = head_dim;
     int on_team = team_gen != NULL && team_runner != NULL;
     if (team_gen != NULL) *team_gen = 0;
     int max_ld = TILE;
     int64_t kv_floats = 0;
     for (int s = 0; s < num_segs; s++) {
-        if (lens[s] < 1 || starts[s] < 0) return 3;
-        const int ld = (lens[s] + TILE - 1) / TILE * TILE;
+        const int c = ctx ? ctx[s] : 0;
+        if (lens[s] < 1 || starts[s] < 0 || c < 0 ||
+            (c > 0 && (c - 1) / pc->block_size >= pc->table_stride))
+            return 3;
+        const int ld = (c + lens[s] + TILE - 1) / TILE * TILE;
         max_ld = ld > max_ld ? ld : max_ld;
         kv_floats += (int64_t)num_kv_heads * 2 * D * ld;
     }
@@ -264,7 +290,7 @@ static inline __attribute__((always_inline)) int prefill_attention(
     base[0] = 0;
     first_item[0] = 0;
     for (int s = 0; s < num_segs; s++) {
-        const int ld = (lens[s] + TILE - 1) / TILE * TILE;
+        const int ld = ((ctx ? ctx[s] : 0) + lens[s] + TILE - 1) / TILE * TILE;
         base[s + 1] = base[s] + (int64_t)num_kv_heads * 2 * D * ld;
         first_item[s + 1] = first_item[s] + num_heads * ((lens[s] + QT - 1) / QT);
     }
@@ -282,24 +308,36 @@ static inline __attribute__((always_inline)) int prefill_attention(
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < prep; it++) {
             const int s = it / num_kv_heads, g = it % num_kv_heads, L = lens[s];
-            const int ld = (L + TILE - 1) / TILE * TILE;
+            const int c = ctx ? ctx[s] : 0, ld = (c + L + TILE - 1) / TILE * TILE;
             float *kt = kv + base[s] + (int64_t)g * 2 * D * ld, *vf = kt + (int64_t)D * ld;
-            const int64_t r0 = starts[s], off = (int64_t)g * D;
-            for (int j = 0; j < ld; j++)
+            const int64_t r0 = starts[s] - (int64_t)c, off = (int64_t)g * D;
+            const int32_t *table = ctx ? pc->tables + (int64_t)s * pc->table_stride : NULL;
+            for (int j = 0; j < ld; j++) {
+                if (j < c) { /* cached: through the block table, in the cache's dtype */
+                    const int64_t row = (int64_t)table[j / pc->block_size] * pc->block_size +
+                                        j % pc->block_size;
+                    const int64_t at = row * num_kv_heads * D + off;
+                    for (int d = 0; d < D; d++) {
+                        kt[(int64_t)d * ld + j] = load_elem(pc->k_cache, at + d, pc->cache_bf16);
+                        vf[(int64_t)j * D + d] = load_elem(pc->v_cache, at + d, pc->cache_bf16);
+                    }
+                    continue;
+                }
+                const int in = j < c + L;
                 for (int d = 0; d < D; d++) {
-                    const int in = j < L;
                     kt[(int64_t)d * ld + j] =
                         in ? load_elem(k, (r0 + j) * k_stride + off + d, bf16) : 0.f;
                     vf[(int64_t)j * D + d] =
                         in ? load_elem(v, (r0 + j) * v_stride + off + d, bf16) : 0.f;
                 }
+            }
         }
         if (on_team) {
             if (scores != NULL) {
-                const prefill_job j = {q,      kv,        base,  first_item, lens,
-                                       out,    starts,    scores, q_stride,  num_heads,
-                                       rep,    D,         max_ld, bf16,      items,
-                                       scale};
+                const prefill_job j = {q,         kv,        base,   first_item, lens,
+                                       ctx,       out,       starts, scores,     q_stride,
+                                       num_heads, rep,       D,      max_ld,     bf16,
+                                       items,     scale};
                 const int64_t helper_floats = (int64_t)R * max_ld + (int64_t)QT * D;
                 *team_gen = team_runner(prefill_item, prefill_copy, &j, sizeof j, items,
                                         helper_floats);
@@ -309,8 +347,8 @@ static inline __attribute__((always_inline)) int prefill_attention(
 #pragma omp for schedule(dynamic, 1)
             for (int it = items - 1; it >= 0; it--) {
                 if (scores == NULL) continue;
-                phase2_item(q, q_stride, kv, base, first_item, starts, lens, it, num_heads, rep,
-                            D, scale, scores, NULL, 0, out, bf16);
+                phase2_item(q, q_stride, kv, base, first_item, starts, lens, ctx, it, num_heads,
+                            rep, D, scale, scores, NULL, 0, out, bf16);
             }
         }
         free(scores);
@@ -323,16 +361,19 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
                           const float *v, int64_t v_stride, const int32_t *starts,
                           const int32_t *lens, int num_segs, float *out, int num_heads,
                           int num_kv_heads, int head_dim, float scale, int num_threads,
-                          uint64_t *team_gen) {
+                          const paged_context *pc, uint64_t *team_gen) {
     return prefill_attention(q, q_stride, k, k_stride, v, v_stride, starts, lens, num_segs, out,
-                             num_heads, num_kv_heads, head_dim, scale, num_threads, 0, team_gen);
+                             num_heads, num_kv_heads, head_dim, scale, num_threads, 0, pc,
+                             team_gen);
 }
 
 int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                            int64_t k_stride, const uint16_t *v, int64_t v_stride,
                            const int32_t *starts, const int32_t *lens, int num_segs,
                            uint16_t *out, int num_heads, int num_kv_heads, int head_dim,
-                           float scale, int num_threads, uint64_t *team_gen) {
+                           float scale, int num_threads, const paged_context *pc,
+                           uint64_t *team_gen) {
     return prefill_attention(q, q_stride, k, k_stride, v, v_stride, starts, lens, num_segs, out,
-                             num_heads, num_kv_heads, head_dim, scale, num_threads, 1, team_gen);
+                             num_heads, num_kv_heads, head_dim, scale, num_threads, 1, pc,
+                             team_gen);
 }
