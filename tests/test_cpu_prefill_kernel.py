@@ -30,6 +30,22 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return (scores.softmax(-1) @ vd).transpose(0, 1)
 
 
+def _step(
+    lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Segment starts with two rows of other work before each, q/k/v as views of one fused
+    projection (token stride past each tensor's heads), and an output filled with 7s."""
+    starts, at = [], 0
+    for n in lens:
+        starts.append(at + 2)
+        at += n + 2
+    qkv = torch.randn(at, num_heads + 2 * num_kv_heads, head_dim).to(dtype)
+    q = qkv[:, :num_heads]
+    k = qkv[:, num_heads : num_heads + num_kv_heads]
+    v = qkv[:, num_heads + num_kv_heads :]
+    return starts, q, k, v, torch.full((at, num_heads, head_dim), 7.0, dtype=dtype)
+
+
 SHAPES = [(8, 4, 32), (12, 4, 64), (4, 4, 128), (6, 2, 48), (3, 1, 16), (9, 3, 80)]
 
 
@@ -42,16 +58,8 @@ def test_matches_reference(
     """Segments of every length among rows the kernel must leave alone, q/k/v as views of one
     fused projection (token stride past each tensor's heads)."""
     torch.manual_seed(head_dim + num_heads)
-    starts, at = [], 3
-    for n in LENS:
-        starts.append(at)
-        at += n + 2  # two rows of other work between segments
-    total = at
-    qkv = torch.randn(total, num_heads + 2 * num_kv_heads, head_dim).to(dtype)
-    q = qkv[:, :num_heads]
-    k = qkv[:, num_heads : num_heads + num_kv_heads]
-    v = qkv[:, num_heads + num_kv_heads :]
-    out = torch.full((total, num_heads, head_dim), 7.0, dtype=dtype)
+    starts, q, k, v, out = _step(LENS, num_heads, num_kv_heads, head_dim, dtype)
+    total = q.shape[0]
     scale = head_dim**-0.5
     cpu_prefill.prefill_attention(
         out,
@@ -100,15 +108,8 @@ def test_chunks_after_paged_context_match_reference(
     v_cache = torch.randn(num_blocks, bs, num_kv_heads, head_dim).to(cache_dtype)
     tables = torch.randperm(num_blocks)[: len(CHUNKS) * width].view(len(CHUNKS), width)
     tables = tables.to(torch.int32).contiguous()
-    starts, at = [], 2
-    for _, n in CHUNKS:
-        starts.append(at)
-        at += n + 1
-    qkv = torch.randn(at, num_heads + 2 * num_kv_heads, head_dim).to(dtype)
-    q = qkv[:, :num_heads]
-    k = qkv[:, num_heads : num_heads + num_kv_heads]
-    v = qkv[:, num_heads + num_kv_heads :]
-    out = torch.full((at, num_heads, head_dim), 7.0, dtype=dtype)
+    starts, q, k, v, out = _step([n for _, n in CHUNKS], num_heads, num_kv_heads, head_dim, dtype)
+    at = q.shape[0]
     scale = head_dim**-0.5
     context = cpu_prefill.PagedContext(
         torch.tensor([c for c, _ in CHUNKS], dtype=torch.int32), k_cache, v_cache, tables
@@ -138,26 +139,6 @@ def test_chunks_after_paged_context_match_reference(
 
 
 @needs_kernel
-def test_context_past_the_block_table_is_refused() -> None:
-    x = torch.zeros(4, 2, 32)
-    cache = torch.zeros(3, 16, 2, 32)
-    context = cpu_prefill.PagedContext(
-        torch.tensor([33], dtype=torch.int32), cache, cache, torch.zeros(1, 2, dtype=torch.int32)
-    )
-    with pytest.raises(ValueError, match="code 3"):
-        cpu_prefill.prefill_attention(
-            torch.zeros_like(x),
-            x,
-            x,
-            x,
-            torch.tensor([0], dtype=torch.int32),
-            torch.tensor([4], dtype=torch.int32),
-            1.0,
-            context,
-        )
-
-
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
     """Steps mixing fresh prompts with chunks after context and decodes, through both paths."""
@@ -183,8 +164,15 @@ def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
 
 
 @needs_kernel
-def test_a_bad_segment_is_refused() -> None:
+@pytest.mark.parametrize(("length", "context"), [(0, None), (4, 33)])
+def test_a_bad_segment_is_refused(length: int, context: int | None) -> None:
+    """An empty segment, and one whose context runs past its block table."""
     x = torch.zeros(4, 2, 32)
+    cache = torch.zeros(3, 16, 2, 32)
+    paged = None
+    if context is not None:
+        ctx = torch.tensor([context], dtype=torch.int32)
+        paged = cpu_prefill.PagedContext(ctx, cache, cache, torch.zeros(1, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="code 3"):
         cpu_prefill.prefill_attention(
             torch.zeros_like(x),
@@ -192,8 +180,9 @@ def test_a_bad_segment_is_refused() -> None:
             x,
             x,
             torch.tensor([0], dtype=torch.int32),
-            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([length], dtype=torch.int32),
             1.0,
+            paged,
         )
 
 
