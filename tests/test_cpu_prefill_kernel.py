@@ -162,6 +162,18 @@ def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
         outs[on] = backend_outputs(steps, dtype, configure, check)
     assert_paths_agree(outs[True], outs[False], dtype)
 
+    def one_per_call(backend: TorchAttentionBackend) -> None:
+        backend.use_prefill_kernel = True
+        backend.MAX_WIDENED_FLOATS = 1  # every segment a call of its own
+
+    def calls(backend: TorchAttentionBackend, seqs: Step) -> None:
+        assert backend._segments is not None
+        assert len(backend._segments.calls) == sum(n > 1 for *_, n in seqs)
+
+    split = backend_outputs(steps, dtype, one_per_call, calls)
+    for x, y in zip(split, outs[True], strict=True):
+        assert torch.equal(x, y)  # the same arithmetic per row, whatever the calls
+
 
 @needs_kernel
 @pytest.mark.parametrize(("length", "context"), [(0, None), (4, 33)])
