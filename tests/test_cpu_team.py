@@ -242,16 +242,26 @@ def case(h, kv, d, dtype, lens):
     return (qkv[:, :h], qkv[:, h : h + kv], qkv[:, h + kv :],
             torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
 
+def after_context(dtype, ctx):  # two segments of 8 and 5 rows after ctx cached bf16 keys
+    q, k, v, starts, lens = case(12, 4, 64, dtype, [8, 5])
+    blocks = -(-ctx // 16)
+    k_cache, v_cache = (torch.randn(2 * blocks, 16, 4, 64).to(torch.bfloat16) for _ in "kv")
+    tables = torch.randperm(2 * blocks).view(2, blocks).to(torch.int32).contiguous()
+    ctxs = torch.tensor([ctx, ctx - 3], dtype=torch.int32)
+    return q, k, v, starts, lens, cpu_prefill.PagedContext(ctxs, k_cache, v_cache, tables)
+
 def run(c):
-    q, k, v, starts, lens = c
+    q, k, v, starts, lens, *context = c
     out = torch.full(q.shape, 7.0, dtype=q.dtype)
-    cpu_prefill.prefill_attention(out, q, k, v, starts, lens, q.shape[2] ** -0.5)
+    cpu_prefill.prefill_attention(out, q, k, v, starts, lens, q.shape[2] ** -0.5, *context)
     return out
 
 dtypes = (torch.float32, torch.bfloat16)
-# every shape, then fewer and longer segments (the buffer of phase 1 grows)
+# every shape, then fewer and longer segments (the buffer of phase 1 grows), then chunks after
+# a context long enough to take the buffer past 16 MiB and short ones (it is given back)
 cases = [case(*shape, dt, LENS) for shape in SHAPES for dt in dtypes]
 cases += [case(12, 4, 64, dt, [300, 7]) for dt in dtypes]
+cases += [after_context(dt, ctx) for ctx in (6000, 40) for dt in dtypes]
 alone = [run(c) for c in cases]  # OpenMP, one thread
 assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
 same, passes = True, 0

@@ -80,7 +80,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     # The prefill kernel widens each call's keys and values to float32 (KV x 2 x D floats per
     # key, context included); a step whose prefills need more splits into several calls.
-    MAX_WIDENED_FLOATS = 1 << 25
+    MAX_WIDENED_FLOATS = 1 << 24
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

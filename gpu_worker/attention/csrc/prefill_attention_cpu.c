@@ -209,32 +209,45 @@ static void prefill_copy(const void *params, int64_t item, const float *scratch)
 }
 
 /* Phase 1's buffer on the team: first_item (S + 1 ints), base (S + 1 int64), the widened K/V.
- * `arena_gen`: the last call whose helper may still read it (team.h's generation, 0: none). */
+ * `arena_gen`: the last call whose helper may still read it (team.h's generation, 0: none).
+ * A chunk after a long context widens all of it, so the buffer can grow large: one past
+ * ARENA_KEEP_BYTES is given back once a call needs less than a quarter of it, and buffers
+ * still read wait in `retired` up to RETIRED_MAX_BYTES in all (past that a call runs alone in
+ * a private buffer). */
 static char *arena;
 static size_t arena_bytes;
 static uint64_t arena_gen;
 #define MAX_RETIRED 64
+#define ARENA_KEEP_BYTES ((size_t)16 << 20)
+#define RETIRED_MAX_BYTES ((size_t)256 << 20)
 static struct {
     char *block;
+    size_t bytes;
     uint64_t gen;
 } retired[MAX_RETIRED];
 static int num_retired;
+static size_t retired_bytes;
 
 static char *arena_for(size_t bytes) {
     const uint64_t left = team_left();
     for (int i = 0; i < num_retired;) /* free what every helper has left */
         if (retired[i].gen <= left) {
             free(retired[i].block);
+            retired_bytes -= retired[i].bytes;
             retired[i] = retired[--num_retired];
         } else {
             i++;
         }
     const int busy = arena != NULL && arena_gen > left;
-    if (bytes <= arena_bytes && !busy) return arena;
+    const int oversized = arena_bytes > ARENA_KEEP_BYTES && bytes < arena_bytes / 4;
+    if (bytes <= arena_bytes && !busy && !oversized) return arena;
     if (busy) {
-        if (num_retired == MAX_RETIRED) return NULL;
+        if (num_retired == MAX_RETIRED || retired_bytes + arena_bytes > RETIRED_MAX_BYTES)
+            return NULL;
         retired[num_retired].block = arena;
+        retired[num_retired].bytes = arena_bytes;
         retired[num_retired++].gen = arena_gen;
+        retired_bytes += arena_bytes;
     } else {
         free(arena);
     }
