@@ -23,6 +23,8 @@ typedef float v16 __attribute__((vector_size(W16 * sizeof(float))));
 typedef int32_t i16 __attribute__((vector_size(W16 * sizeof(int32_t))));
 typedef uint32_t u16 __attribute__((vector_size(W16 * sizeof(uint32_t))));
 typedef uint16_t h16 __attribute__((vector_size(W16 * sizeof(uint16_t))));
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t i8v __attribute__((vector_size(8 * sizeof(int32_t))));
 
 static inline v16 load16(const float *p) {
     v16 v;
@@ -86,25 +88,29 @@ static inline v16 load_bf16x16(const uint16_t *p) {
 static inline void store_bf16x16(uint16_t *p, v16 v) {
 #if defined(__AVX512BF16__)
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
-#else
+#elif defined(__AVX512F__)
     u16 w;
     memcpy(&w, &v, sizeof w);
     const u16 nan = (u16)((w & 0x7fffffffu) > 0x7f800000u); /* all-ones lanes where NaN */
     w = (nan & (w | 0x00400000u)) | (~nan & (w + 0x7fffu + ((w >> 16) & 1u)));
-#if defined(__AVX512F__)
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)w, 16)));
 #else
-    h16 h = __builtin_convertvector(w >> 16, h16);
-    memcpy(p, &h, sizeof h);
-#endif
+    /* Two halves of 8 lanes: GCC lowers a 16-lane compare on 8-lane machines to 16 scalar
+     * compares (see lt16), and AVX2 has no unsigned compare; |bits| < 2^31, so the NaN test
+     * is a signed one, the same answer. */
+    typedef uint32_t u8v __attribute__((vector_size(8 * sizeof(uint32_t))));
+    typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+    u8v half[2];
+    memcpy(half, &v, sizeof half);
+    for (int i = 0; i < 2; i++) {
+        u8v w = half[i];
+        const u8v nan = (u8v)((i8v)(w & 0x7fffffffu) > 0x7f800000);
+        w = (nan & (w | 0x00400000u)) | (~nan & (w + 0x7fffu + ((w >> 16) & 1u)));
+        const h8 h = __builtin_convertvector(w >> 16, h8);
+        memcpy(p + 8 * i, &h, sizeof h);
+    }
 #endif
 }
-
-/* Lane-wise a < b: all-ones lanes where true, zeros elsewhere. Where the machine's vectors
- * are narrower than 16 floats (AVX2: 8), GCC lowers a 16-lane compare to 16 scalar compares
- * and inserts; two native 8-lane compares, joined, keep it in vector registers. */
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-typedef int32_t i8v __attribute__((vector_size(8 * sizeof(int32_t))));
 
 /* 8-lane vectors: one AVX2 register. Kernels whose inner loops hold many vectors at once use
  * them where the machine has no AVX-512 (`NARROW_SIMD`): sixteen 16-lane vectors take all of
@@ -135,6 +141,9 @@ static inline v8 load_bf16x8(const uint16_t *p) {
     return v;
 }
 
+/* Lane-wise a < b: all-ones lanes where true, zeros elsewhere. Where the machine's vectors
+ * are narrower than 16 floats (AVX2: 8), GCC lowers a 16-lane compare to 16 scalar compares
+ * and inserts; two native 8-lane compares, joined, keep it in vector registers. */
 static inline i16 lt16(v16 a, v16 b) {
 #if defined(__AVX512F__)
     return a < b;
