@@ -50,6 +50,14 @@ void prefill_attention_set_team(void *runner, void *left) {
 
 #define TILE W16
 #define MAX_HEAD_DIM 256
+/* bf16 keys stay bf16 where the CPU has vdpbf16ps: kt then holds pairs of head elements per
+ * key, [D/2][ld][2] (exact products, float32 sums, as the decode kernel's q.k), in the first
+ * half of its float32 room. */
+#if defined(__AVX512BF16__)
+#define PAIRED_KEYS 1
+#else
+#define PAIRED_KEYS 0
+#endif
 
 /* Where segments' cached keys are (`ctx` NULL: none has any); one struct, as ctypes passes it. */
 typedef struct {
@@ -70,13 +78,38 @@ static inline __attribute__((always_inline)) void rows_block(
     const void *q, int64_t q_stride, const float *kt, const float *vf, int ld, int c, int i0,
     int nr, void *out, int64_t out_stride, float *scores, const int D, float scale,
     const int bf16) {
+    const int last = c + i0 + nr - 1; /* the block's last row sees keys 0..last */
+    const int keys = (last + TILE) / TILE * TILE;
+#if PAIRED_KEYS
+    if (bf16) { /* kt holds bf16 pairs: vdpbf16ps on q's pairs, the scale on the sums */
+        const uint16_t *kp = (const uint16_t *)kt;
+        int32_t qp[R][MAX_HEAD_DIM / 2];
+        for (int r = 0; r < R; r++)
+            for (int e = 0; e < D / 2; e++) {
+                qp[r][e] = 0;
+                if (r < nr)
+                    memcpy(&qp[r][e], (const uint16_t *)q + (int64_t)(i0 + r) * q_stride + 2 * e,
+                           sizeof qp[r][e]);
+            }
+        for (int j0 = 0; j0 < keys; j0 += TILE) {
+            __m512 acc[R];
+            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+            for (int e = 0; e < D / 2; e++) {
+                const __m512bh kv =
+                    (__m512bh)_mm512_loadu_si512(kp + ((int64_t)e * ld + j0) * 2);
+                for (int r = 0; r < R; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qp[r][e]), kv);
+            }
+            for (int r = 0; r < R; r++)
+                store16(scores + (int64_t)r * ld + j0, (v16)acc[r] * splat16(scale));
+        }
+    } else
+#endif
+    {
     float qb[R][MAX_HEAD_DIM];
     for (int r = 0; r < R; r++)
         for (int d = 0; d < D; d++)
             qb[r][d] = r < nr ? load_elem(q, (int64_t)(i0 + r) * q_stride + d, bf16) * scale : 0.f;
-    const int last = c + i0 + nr - 1; /* the block's last row sees keys 0..last */
-    const int keys = (last + TILE) / TILE * TILE;
-
     for (int j0 = 0; j0 < keys; j0 += TILE) {
         v16 acc[R];
         for (int r = 0; r < R; r++) acc[r] = splat16(0.f);
@@ -85,6 +118,7 @@ static inline __attribute__((always_inline)) void rows_block(
             for (int r = 0; r < R; r++) acc[r] += splat16(qb[r][d]) * kv;
         }
         for (int r = 0; r < R; r++) store16(scores + (int64_t)r * ld + j0, acc[r]);
+    }
     }
 
     float inv[R];
@@ -325,24 +359,46 @@ static inline __attribute__((always_inline)) int prefill_attention(
             float *kt = kv + base[s] + (int64_t)g * 2 * D * ld, *vf = kt + (int64_t)D * ld;
             const int64_t r0 = starts[s] - (int64_t)c, off = (int64_t)g * D;
             const int32_t *table = ctx ? pc->tables + (int64_t)s * pc->table_stride : NULL;
+            uint16_t *kp = (uint16_t *)kt; /* PAIRED_KEYS && bf16: [D/2][ld][2] */
+            const int paired = PAIRED_KEYS && bf16;
             for (int j = 0; j < ld; j++) {
-                if (j < c) { /* cached: through the block table, in the cache's dtype */
-                    const int64_t row = (int64_t)table[j / pc->block_size] * pc->block_size +
-                                        j % pc->block_size;
-                    const int64_t at = row * num_kv_heads * D + off;
+                float *vj = vf + (int64_t)j * D;
+                if (j >= c + L) { /* padding: zero keys and values */
                     for (int d = 0; d < D; d++) {
-                        kt[(int64_t)d * ld + j] = load_elem(pc->k_cache, at + d, pc->cache_bf16);
-                        vf[(int64_t)j * D + d] = load_elem(pc->v_cache, at + d, pc->cache_bf16);
+                        if (paired)
+                            kp[((int64_t)(d / 2) * ld + j) * 2 + d % 2] = 0;
+                        else
+                            kt[(int64_t)d * ld + j] = 0.f;
+                        vj[d] = 0.f;
                     }
                     continue;
                 }
-                const int in = j < c + L;
-                for (int d = 0; d < D; d++) {
-                    kt[(int64_t)d * ld + j] =
-                        in ? load_elem(k, (r0 + j) * k_stride + off + d, bf16) : 0.f;
-                    vf[(int64_t)j * D + d] =
-                        in ? load_elem(v, (r0 + j) * v_stride + off + d, bf16) : 0.f;
+                const void *ks = k, *vs = v;
+                int64_t at = (r0 + j) * k_stride + off, vat = (r0 + j) * v_stride + off;
+                int kb16 = bf16;
+                if (j < c) { /* cached: through the block table, in the cache's dtype */
+                    const int64_t row = (int64_t)table[j / pc->block_size] * pc->block_size +
+                                        j % pc->block_size;
+                    ks = pc->k_cache, vs = pc->v_cache, kb16 = pc->cache_bf16;
+                    at = vat = row * num_kv_heads * D + off;
                 }
+                if (paired && kb16) /* the pairs as they are */
+                    for (int e = 0; e < D / 2; e++)
+                        memcpy(kp + ((int64_t)e * ld + j) * 2, (const uint16_t *)ks + at + 2 * e,
+                               2 * sizeof(uint16_t));
+                else if (paired) /* a float32 cache under a bf16 model: bf16 values widened */
+                    for (int d = 0; d < D; d++)
+                        kp[((int64_t)(d / 2) * ld + j) * 2 + d % 2] =
+                            bf16_narrow(((const float *)ks)[at + d]);
+                else if (kb16)
+                    for (int d = 0; d < D; d++)
+                        kt[(int64_t)d * ld + j] = load_elem(ks, at + d, 1);
+                else
+                    for (int d = 0; d < D; d++) kt[(int64_t)d * ld + j] = load_elem(ks, at + d, 0);
+                if (kb16)
+                    for (int d = 0; d < D; d++) vj[d] = load_elem(vs, vat + d, 1);
+                else
+                    for (int d = 0; d < D; d++) vj[d] = load_elem(vs, vat + d, 0);
             }
         }
         if (on_team) {
