@@ -68,12 +68,16 @@ class _KernelDecodes:
     max_len: int
 
 
+# One call of the prefill kernel: (starts, lens, ctx, block_tables), the last two None where
+# no segment has context.
+_PrefillCall = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
 @dataclass
 class _KernelPrefills:
     """The step's prefills for `cpu_prefill`, in calls of at most MAX_WIDENED_FLOATS."""
 
-    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
-    # (starts, lens, ctx, block_tables): ctx and block_tables None where no segment has context
+    calls: list[_PrefillCall]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -140,7 +144,7 @@ class TorchAttentionBackend(AttentionBackend):
                 widened = 0
             calls[-1].append(s)
             widened += keys * per_key
-        planned = []
+        planned: list[_PrefillCall] = []
         for part in calls:
             ctx = [layout.seq_lens_host[s] - layout.query_lens_host[s] for s in part]
             seg_starts = torch.tensor([starts[s] for s in part], dtype=torch.int32)
