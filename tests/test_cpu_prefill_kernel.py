@@ -176,6 +176,26 @@ def test_backend_with_kernel_equals_its_sdpa_path(dtype: torch.dtype) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_bf16_scores_are_the_float32_paths(head_dim: int) -> None:
+    """With a power-of-two scale, bf16 q, k and v give the float32 kernel's output on their
+    widened values, rounded once: the bf16 path (keys in bf16 pairs where the CPU has
+    vdpbf16ps) sums the same products in the same order."""
+    torch.manual_seed(head_dim)
+    num_heads, num_kv_heads = 6, 2
+    starts, q, k, v, out = _step(LENS, num_heads, num_kv_heads, head_dim, torch.bfloat16)
+    starts_t = torch.tensor(starts, dtype=torch.int32)
+    lens_t = torch.tensor(LENS, dtype=torch.int32)
+    scale = head_dim**-0.5
+    cpu_prefill.prefill_attention(out, q, k, v, starts_t, lens_t, scale)
+    wide = torch.zeros(out.shape, dtype=torch.float32)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    cpu_prefill.prefill_attention(wide, q32, k32, v32, starts_t, lens_t, scale)
+    for s, n in zip(starts, LENS, strict=True):
+        assert torch.equal(out[s : s + n], wide[s : s + n].to(torch.bfloat16))
+
+
+@needs_kernel
 @pytest.mark.parametrize(("length", "context"), [(0, None), (4, 33)])
 def test_a_bad_segment_is_refused(length: int, context: int | None) -> None:
     """An empty segment, and one whose context runs past its block table."""

@@ -52,7 +52,10 @@ void prefill_attention_set_team(void *runner, void *left) {
 #define MAX_HEAD_DIM 256
 /* bf16 keys stay bf16 where the CPU has vdpbf16ps: kt then holds pairs of head elements per
  * key, [D/2][ld][2] (exact products, float32 sums, as the decode kernel's q.k), in the first
- * half of its float32 room. */
+ * half of its float32 room. Each pair is stored swapped, element 2e+1 first: vdpbf16ps adds
+ * the upper product before the lower, so the sums run in the order of the float32 path, and
+ * with a power-of-two scale (head size 64 or 256) the scores are the float32 path's, bit for
+ * bit. */
 #if defined(__AVX512BF16__)
 #define PAIRED_KEYS 1
 #else
@@ -86,10 +89,8 @@ static inline __attribute__((always_inline)) void rows_block(
         int32_t qp[R][MAX_HEAD_DIM / 2];
         for (int r = 0; r < R; r++)
             for (int e = 0; e < D / 2; e++) {
-                qp[r][e] = 0;
-                if (r < nr)
-                    memcpy(&qp[r][e], (const uint16_t *)q + (int64_t)(i0 + r) * q_stride + 2 * e,
-                           sizeof qp[r][e]);
+                const uint16_t *qe = (const uint16_t *)q + (int64_t)(i0 + r) * q_stride + 2 * e;
+                qp[r][e] = r < nr ? (int32_t)((uint32_t)qe[0] << 16 | qe[1]) : 0; /* swapped */
             }
         for (int j0 = 0; j0 < keys; j0 += TILE) {
             __m512 acc[R];
@@ -366,7 +367,7 @@ static inline __attribute__((always_inline)) int prefill_attention(
                 if (j >= c + L) { /* padding: zero keys and values */
                     for (int d = 0; d < D; d++) {
                         if (paired)
-                            kp[((int64_t)(d / 2) * ld + j) * 2 + d % 2] = 0;
+                            kp[((int64_t)(d / 2) * ld + j) * 2 + 1 - d % 2] = 0;
                         else
                             kt[(int64_t)d * ld + j] = 0.f;
                         vj[d] = 0.f;
@@ -384,11 +385,12 @@ static inline __attribute__((always_inline)) int prefill_attention(
                 }
                 if (paired && kb16) /* the pairs as they are */
                     for (int e = 0; e < D / 2; e++)
-                        memcpy(kp + ((int64_t)e * ld + j) * 2, (const uint16_t *)ks + at + 2 * e,
-                               2 * sizeof(uint16_t));
+                        for (int h = 0; h < 2; h++)
+                            kp[((int64_t)e * ld + j) * 2 + 1 - h] =
+                                ((const uint16_t *)ks)[at + 2 * e + h];
                 else if (paired) /* a float32 cache under a bf16 model: bf16 values widened */
                     for (int d = 0; d < D; d++)
-                        kp[((int64_t)(d / 2) * ld + j) * 2 + d % 2] =
+                        kp[((int64_t)(d / 2) * ld + j) * 2 + 1 - d % 2] =
                             bf16_narrow(((const float *)ks)[at + d]);
                 else if (kb16)
                     for (int d = 0; d < D; d++)
