@@ -7,9 +7,10 @@ attends to the context's keys, which the kernel reads from the paged cache throu
 sequence's block table, in the cache's dtype (`PagedContext`). Torch's CPU
 SDPA computes that per sequence at a small fraction of the machine's multiply-add rate for
 prompt lengths of a few hundred tokens (bf16 without AMX: 20-45 GFLOP/s at 64-512 tokens on a
-2-core AVX-512 machine); this kernel widens each sequence's K and V to float32 once and
-computes every query head's rows from them, several rows sharing each load, all of the step's
-fresh prompts in one call. `gpu_worker.cpu_kernels` builds it (once per machine and CPU).
+2-core AVX-512 machine); this kernel widens each sequence's K and V to float32 once (bf16
+keys stay bf16 pairs where the CPU has vdpbf16ps) and computes every query head's rows from
+them, several rows sharing each load, all of the step's prefills in one call.
+`gpu_worker.cpu_kernels` builds it (once per machine and CPU).
 
 The kernel is written on 16-float vectors, one AVX-512 register. On a CPU without AVX-512
 (AVX2's 8-float registers) it measured slower than SDPA from 64 tokens up (level at 32): on a
