@@ -6,6 +6,7 @@ process), bound as a worker binds its threads, one to a core:
 
     onednn   torch's prepacked oneDNN product (`torch.ops.mkldnn`) on an OpenMP team of N
     team     `gpu_worker.cpu_team` with N - 1 helpers
+    team-amx the same with its bf16 products on AMX tiles (where the CPU has AMX)
 
 and times each shape's product (the projections of a 64-row decode step of `tiny` in
 float32 and of `small` in bf16, and a 512-row prompt chunk) `--reps` times, alone and while
@@ -16,8 +17,8 @@ that lost its core, the team takes such a thread's items back.
     python -m benchmarks.cpu_team [--threads 2] [--reps 200] [--noise 2] [--out PATH]
     python -m benchmarks.cpu_team --quick      # the smoke run `make test` does
 
-bf16 rows are skipped where the CPU has no AVX512-BF16 (the team takes bf16 products only
-there, and not where it has AMX). A table goes to stdout, every figure to a JSON file.
+bf16 rows are skipped where the CPU has neither AVX512-BF16 nor AMX. A table goes to stdout,
+every figure to a JSON file.
 """
 
 from __future__ import annotations
@@ -54,17 +55,19 @@ import json, os, sys, time, torch
 mode, threads, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 shapes, cpus = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 os.sched_setaffinity(0, {cpus[0]})
-if mode == "team":
+if mode.startswith("team"):
     from gpu_worker import cpu_team
     torch.set_num_threads(1)
     assert cpu_team.start(cpus[1:]) == threads - 1
+    if mode == "team-amx":
+        assert cpu_team.set_tiles("amx") == "amx"
 else:
     torch.set_num_threads(threads)
 out = {}
 for name, dtype, m, k, n in shapes:
     dt = getattr(torch, dtype)
     w, x = torch.randn(n, k).to(dt), torch.randn(m, k).to(dt)
-    if mode == "team":
+    if mode.startswith("team"):
         p = cpu_team.pack(w, dt)
         run = lambda: cpu_team.linear(x, p, n, None)
     else:
@@ -139,12 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(os.sched_getaffinity(0)) < a.threads or not 2 <= a.threads <= MAX_THREADS:
         print(f"needs {a.threads} cores and 2 <= --threads <= {MAX_THREADS}")
         return 2
-    shapes = [s for s in SHAPES if s[1] == "float32" or cpu_isa.bf16_isa() == "avx512_bf16"]
+    amx = cpu_isa.bf16_isa() == "amx_bf16"
+    shapes = [s for s in SHAPES if s[1] == "float32" or cpu_isa.bf16_isa() == "avx512_bf16" or amx]
     if a.quick:
         shapes = [s for s in shapes if s[0].startswith("tiny") and s[2] == 64]
     results: dict[str, dict[str, list[float]]] = {}
     for noise in (0, a.noise):
-        for mode in ("onednn", "team"):
+        for mode in ("onednn", "team", "team-amx") if amx else ("onednn", "team"):
             key = f"{mode}{' noisy' if noise else ''}"
             print(f"running {key} ...", flush=True)
             results[key] = _run(mode, a.threads, a.reps, shapes, noise)

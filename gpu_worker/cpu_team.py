@@ -7,10 +7,11 @@ the model's thread never waits for a helper that lost its core: it takes the hel
 and computes it itself (docs/architecture.md, "The CPU team"). The worker starts the team on a
 CPU when its threads are bound one to a core and there are at most MAX_THREADS of them, for a
 float32 model, a bf16 one whose products are widened to float32 (a CPU without bf16 products),
-or a bf16 one where the CPU has AVX512-BF16 and no AMX (`wanted`). The
-projections then run `gemm_f32` / `gemm_bf16` on the team, the attention kernels run their
-items on it, and torch's own ops run on the model's thread alone. Anywhere else (tests,
-in-process engines, AMX) nothing changes: projections stay on oneDNN.
+or a bf16 one where the CPU has AVX512-BF16 and no AMX (`wanted`); with AMX, where
+`PAGEDSERVE_CPU_TEAM_AMX=1` asks for the team's own tile products. The projections then run
+`gemm_f32` / `gemm_bf16` on the team, the attention kernels run their items on it, and torch's
+own ops run on the model's thread alone. Anywhere else (tests, in-process engines, AMX by
+default) nothing changes: projections stay on oneDNN.
 
     start(helper_cpus)        helpers bound to those CPUs (-1: unbound); once per process
     active()                  whether the team runs
@@ -20,6 +21,8 @@ in-process engines, AMX) nothing changes: projections stay on oneDNN.
     generation_for(lib, set)  for another kernel's library: tells it the team (once) and
                               gives the out-parameter its calls return the generation in
     hold(gen, *inputs)        keeps a call's inputs while a helper may still read them
+    set_tiles(mode)           where bf16 products run: "off" (vdpbf16ps), "amx" (the CPU's
+                              tiles) or "model" (a software model of them, for tests)
 
 `PAGEDSERVE_CPU_TEAM=0` keeps the OpenMP team and oneDNN.
 """
@@ -41,6 +44,10 @@ from gpu_worker import cpu_isa, cpu_kernels
 
 SOURCE = Path(__file__).with_name("csrc") / "team_cpu.c"
 SWITCH = "PAGEDSERVE_CPU_TEAM"
+# Where the CPU has AMX, bf16 products stay on oneDNN unless this is "1": the team's own tile
+# products then run them (csrc/amx_tiles.h).
+TILES_SWITCH = "PAGEDSERVE_CPU_TEAM_AMX"
+TILE_MODES = {"off": 0, "amx": 1, "model": 2}
 # Measured on two cores; a larger team keeps OpenMP and oneDNN, whose blocking for many
 # threads this kernel does not have.
 MAX_THREADS = 4
@@ -80,6 +87,10 @@ def _load() -> ctypes.CDLL | None:
     lib.pack_bf16.restype = None
     lib.pack_bf16.argtypes = lib.pack_f32.argtypes
     lib.gemm_bf16_supported.restype = ctypes.c_int
+    lib.team_set_tiles.restype = ctypes.c_int
+    lib.team_set_tiles.argtypes = [ctypes.c_int]
+    lib.team_tile_faults.restype = ctypes.c_uint64
+    lib.team_tiles.restype = ctypes.c_int
     for name in ("gemm_f32", "gemm_bf16"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_uint64
@@ -100,8 +111,9 @@ def wanted(
 ) -> bool:
     """Whether a worker with these settings runs its projections on the team: float32,
     bfloat16 whose products are widened to float32 (`widened`: a CPU without bf16 products),
-    or bfloat16 where the CPU has AVX512-BF16 but no AMX (oneDNN's AMX tiles outrun these
-    products several times over)."""
+    bfloat16 where the CPU has AVX512-BF16 but no AMX (oneDNN's AMX tiles outrun these
+    products several times over), or bfloat16 on the tiles `tiles_wanted()` names (which this
+    then turns on for the team's products, where the CPU and the OS allow them)."""
     if os.environ.get(SWITCH, "1") == "0" or device != "cpu" or not bound:
         return False
     if not 2 <= threads <= MAX_THREADS:
@@ -109,11 +121,48 @@ def wanted(
     if dtype == torch.bfloat16:
         if widened:
             return True
-        if cpu_isa.bf16_isa() != "avx512_bf16":
-            return False
         lib = _lib or _load()
-        return lib is not None and bool(lib.gemm_bf16_supported())
+        if lib is None:
+            return False
+        if mode := tiles_wanted():
+            return set_tiles(mode, lib) == mode
+        return cpu_isa.bf16_isa() == "avx512_bf16" and bool(lib.gemm_bf16_supported())
     return dtype == torch.float32
+
+
+def tiles_wanted() -> str | None:
+    """The tiles a bf16 worker asks for (`TILES_SWITCH`): "amx" where it is "1" on a CPU with
+    AMX (the team's tile products rather than oneDNN's on an OpenMP team), "model" where it is
+    "model" (the software model of the tiles, on any CPU with AVX-512: tests), else None."""
+    switch = os.environ.get(TILES_SWITCH)
+    if switch == "model":
+        return "model"
+    return "amx" if switch == "1" and cpu_isa.bf16_isa() == "amx_bf16" else None
+
+
+def set_tiles(mode: str, lib: ctypes.CDLL | None = None) -> str:
+    """Where the team's bf16 products run from now on (`TILE_MODES`); returns the mode set:
+    "off" where the one asked for is not available (no AMX, the OS refuses its state, a build
+    without the intrinsics). Call between products."""
+    lib = lib or _lib or _load()
+    if lib is None:
+        return "off"
+    return _tile_mode(int(lib.team_set_tiles(TILE_MODES[mode])))
+
+
+def tiles() -> str:
+    """Where the team's bf16 products run now (`set_tiles`)."""
+    return _tile_mode(int(_lib.team_tiles())) if _lib is not None else "off"
+
+
+def _tile_mode(value: int) -> str:
+    return next(name for name, v in TILE_MODES.items() if v == value)
+
+
+def tile_faults() -> int:
+    """Tile operations the software model refused so far (where the CPU would fault)."""
+    lib = _lib or _load()
+    return int(lib.team_tile_faults()) if lib is not None else 0
 
 
 def start(helper_cpus: list[int], spin_us: int = SPIN_US, stall_us: int = 0) -> int:

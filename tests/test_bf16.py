@@ -109,30 +109,48 @@ def test_widened_bf16_close_to_transformers_bf16(
     check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} widened/hf")
 
 
-@pytest.mark.parametrize(("arch", "widen"), [("llama", False), ("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize(
+    ("arch", "products"),
+    [
+        ("llama", "team-bfloat16"),
+        ("qwen2", "team-bfloat16"),
+        ("llama", "team-float32-widened"),
+        ("qwen2", "team-bfloat16-model"),
+        ("llama", "team-bfloat16-amx"),
+    ],
+)
 def test_bf16_on_the_cpu_team_close_to_transformers_bf16(
     arch: str,
-    widen: bool,
+    products: str,
     make_checkpoint: Callable[..., Path],
     spawn: Callable[..., ServerProcess],
 ) -> None:
     """The CPU team's bf16 products (a worker whose threads are bound, on a CPU with
-    AVX512-BF16 and no AMX: tests/test_cpu_team.py), and its float32 products of a widened bf16
-    model (any CPU), under the same rule."""
+    AVX512-BF16 and no AMX: tests/test_cpu_team.py), its float32 products of a widened bf16
+    model (any CPU), and its products on AMX tiles (the CPU's, and their software model on any
+    CPU with AVX-512), under the same rule."""
+    from gpu_worker import cpu_team
+
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the team runs where the worker has two cores or more")
-    if not widen and cpu_isa.bf16_isa() != "avx512_bf16":
-        pytest.skip("the team takes bf16 products only on AVX512-BF16 without AMX")
+    if products == "team-bfloat16" and cpu_isa.bf16_isa() != "avx512_bf16":
+        pytest.skip("the team takes bf16 products on AVX512-BF16 without AMX (or on tiles)")
+    if products == "team-bfloat16-amx" and cpu_isa.bf16_isa() != "amx_bf16":
+        pytest.skip("the CPU has no AMX")
+    if products == "team-bfloat16-model" and cpu_team.set_tiles("model") != "model":
+        pytest.skip("the tiles take AVX-512's panels of 32 columns")
+    cpu_team.set_tiles("off")
     model_dir = make_checkpoint(arch, num_hidden_layers=2)
     prompts = _prompts(6, 4096, seed=11)
     theirs = hf_greedy_top(hf_model(model_dir, dtype=torch.bfloat16), prompts, 16, TOP)
     env: dict[str, str | None] = {"OMP_NUM_THREADS": None}
-    if widen:  # float32 panels of the bf16 weights, as on a CPU without bf16 products
+    if products.endswith("widened"):  # float32 panels of the bf16 weights (no bf16 products)
         env["PAGEDSERVE_BF16_WIDEN"] = "1"
+    if products.endswith(("-amx", "-model")):
+        env[cpu_team.TILES_SWITCH] = "1" if products.endswith("-amx") else "model"
     stack = start_stack(spawn, model_dir, dtype="bfloat16", worker_env=env)
-    projections = "team-float32-widened" if widen else "team-bfloat16"
-    assert f'"projections": "{projections}"' in stack.worker.output()
-    check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} team/hf")
+    assert f'"projections": "{products}"' in stack.worker.output()
+    check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} {products}/hf")
 
 
 def test_smollm2_close_to_transformers_bf16(spawn: Callable[..., ServerProcess]) -> None:

@@ -108,6 +108,66 @@ def test_items_of_a_helper_without_a_core_are_taken_back() -> None:
     assert got["taken_back"] > 0
 
 
+TILES = """
+import json, os, torch
+from gpu_worker import cpu_team
+os.sched_setaffinity(0, {CALLER})
+assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
+gen = torch.Generator().manual_seed(2)
+worst, differ, shapes = 0.0, 0, 0
+vdp = bool(cpu_team._lib.gemm_bf16_supported())
+passes = 0
+while passes < 1 or (STALL and not cpu_team.taken_back() and passes < 20):
+    for m in (1, 7, 16, 17, 32, 33, 64, 130):
+        for k in (32, 96, 48):  # 48: not whole tiles of k, the vdpbf16ps block's
+            for n in (1, 31, 33, 100):
+                for with_bias in (False, True):
+                    w = torch.randn(n, k, generator=gen).bfloat16()
+                    x = torch.randn(m, k, generator=gen).bfloat16()
+                    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+                    p = cpu_team.pack(w, torch.bfloat16)
+                    assert cpu_team.set_tiles("MODE") == "MODE"
+                    got = cpu_team.linear(x, p, n, b).double()
+                    assert cpu_team.set_tiles("off") == "off"
+                    want = x.double() @ w.double().T + (0 if b is None else b.double())
+                    scale = x.abs().double() @ w.abs().double().T + 1
+                    worst = max(worst, float(((got - want).abs() / scale).max()))
+                    if vdp:  # against the vdpbf16ps block: within one rounding of bf16
+                        other = cpu_team.linear(x, p, n, b).double()
+                        differ += int(((got - other).abs() > other.abs() / 128 + 1e-30).sum())
+                    shapes += 1
+    passes += 1
+print(json.dumps({"worst": worst, "differ": differ, "shapes": shapes,
+                  "faults": cpu_team.tile_faults(), "taken_back": cpu_team.taken_back()}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["model", "amx"])
+@pytest.mark.parametrize("stall_us", [0, 2000])
+def test_bf16_products_on_tiles(mode: str, stall_us: int) -> None:
+    """The team's bf16 products on AMX tiles (blocks of 1-32 rows, a panel's last columns,
+    bias or none), on the CPU's tiles where it has them and on the software model of the tile
+    unit everywhere: no operation the CPU would fault on, every output within bf16's rounding
+    of the exact product and of the vdpbf16ps block's, with a stalling helper too."""
+    from gpu_worker import cpu_isa, cpu_team
+
+    if len(CPUS) < 2 and not stall_us:
+        pytest.skip("one core: no helper on a core of its own")
+    if mode == "amx" and cpu_isa.bf16_isa() != "amx_bf16":
+        pytest.skip("the CPU has no AMX")
+    if cpu_team.set_tiles("model") != "model":
+        pytest.skip("the tiles take AVX-512's panels of 32 columns")
+    cpu_team.set_tiles("off")
+    script = TILES.replace("CALLER", str(CPUS[0])).replace("HELPERS", repr([CPUS[-1]]))
+    got = _child(script.replace("STALL", str(stall_us)).replace("MODE", mode))
+    assert got["shapes"] == 8 * 3 * 4 * 2
+    assert got["faults"] == 0
+    assert got["worst"] < 2**-7  # one bf16 rounding of the output
+    assert got["differ"] == 0
+    if stall_us:
+        assert got["taken_back"] > 0
+
+
 LIFETIME = """
 import json, os, torch
 from gpu_worker import cpu_team

@@ -399,8 +399,14 @@ typedef struct {
     const void *a, *wp, *bias; /* float32 or bf16, as `bf16` says */
     void *c;
     int64_t m, k, n, panels, rows; /* rows: an item's */
-    int bf16;
+    int bf16, tiles;               /* tiles: a bf16 product's TILES_* */
 } gemm_params;
+
+/* Panel p's bias widened to float32 (the last panel's columns past n zero). */
+static inline void widen_bias(const gemm_params *g, int64_t p, int64_t ncols, float *bias) {
+    for (int64_t j = 0; j < NR; j++)
+        bias[j] = g->bias && j < ncols ? load_elem(g->bias, p * NR + j, g->bf16) : 0.f;
+}
 
 /* Rows [r0, r1) of panel p into c (row stride ldc elements). */
 static inline __attribute__((always_inline)) void gemm_rows(const gemm_params *g, int64_t r0,
@@ -410,10 +416,8 @@ static inline __attribute__((always_inline)) void gemm_rows(const gemm_params *g
     const int64_t kk = bf16 ? (g->k + 1) / 2 * 2 : g->k; /* a panel's k, padded to pairs */
     const char *bp = (const char *)g->wp + p * kk * NR * esize;
     const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
-    float bias[NR]; /* widened; the last panel's columns past n zero */
-    if (g->bias)
-        for (int64_t j = 0; j < NR; j++)
-            bias[j] = j < ncols ? load_elem(g->bias, p * NR + j, bf16) : 0.f;
+    float bias[NR];
+    if (g->bias) widen_bias(g, p, ncols, bias);
     const float *b = g->bias ? bias : NULL;
     const char *a = (const char *)g->a;
     char *cc = (char *)c;
@@ -442,6 +446,208 @@ static inline void item_rows(const gemm_params *g, int64_t item, int64_t *p, int
     *r1 = *r0 + g->rows < g->m ? *r0 + g->rows : g->m;
 }
 
+/* ---- bf16 products on AMX tiles ------------------------------------------------------------
+ *
+ * Where the CPU has AMX, the team's bf16 products can run on its tiles (team_set_tiles): each
+ * item's blocks of 32 rows by the panel's 32 columns as 4 tile accumulators (amx_tiles.h).
+ * The same code also runs on a software model of the tile unit (TILES_MODEL), which checks
+ * every configuration and operation as the CPU would (a fault is counted and the operation
+ * skipped, where the CPU raises #UD or #GP) and sums the products in float32: the tests run it
+ * on CPUs without AMX. Products whose k is not a multiple of 32 keep the vdpbf16ps block. */
+
+enum { TILES_OFF = 0, TILES_CPU = 1, TILES_MODEL = 2 };
+static int tiles_mode = TILES_OFF;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* The tiles of amx_tiles.h for a block of mr (1-32) rows. */
+static void tile_config_for(tile_config *cfg, int mr) {
+    const int m0 = mr < 16 ? mr : 16, m1 = mr - m0;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->palette = 1;
+    const uint8_t rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg->rows[t] = rows[t];
+        cfg->colsb[t] = rows[t] ? 64 : 0;
+    }
+}
+
+/* A bf16 row of ncols (<= NR) from NR floats. */
+static inline void store_bf16_row(uint16_t *c, const float *acc, int64_t ncols) {
+    uint16_t tmp[NR];
+    uint16_t *row = ncols == NR ? c : tmp;
+    for (int v = 0; v < NV; v++) store_bf16x16(row + v * W16, load16(acc + v * W16));
+    if (ncols != NR) memcpy(c, tmp, (size_t)ncols * sizeof(uint16_t));
+}
+
+/* The software model: one tile unit per thread, as on the CPU. */
+typedef struct {
+    tile_config cfg;
+    int configured;
+    uint8_t data[8][16][64];
+} tile_model;
+static __thread tile_model model;
+static _Atomic uint64_t model_faults;
+
+static int model_fault(void) {
+    atomic_fetch_add_explicit(&model_faults, 1, memory_order_relaxed);
+    return 0;
+}
+
+static int model_tile(int t) {
+    return model.configured && t < 8 && model.cfg.rows[t] ? 1 : model_fault();
+}
+
+static void model_config(const tile_config *cfg) {
+    int ok = cfg->palette == 1 && cfg->start_row == 0;
+    for (int i = 0; i < 14; i++) ok &= cfg->reserved[i] == 0;
+    for (int t = 0; t < 16; t++)
+        ok &= cfg->rows[t] <= 16 && cfg->colsb[t] <= 64 && !cfg->rows[t] == !cfg->colsb[t] &&
+              (t < 8 || cfg->rows[t] == 0);
+    model.configured = ok ? 1 : model_fault();
+    model.cfg = *cfg;
+    memset(model.data, 0, sizeof model.data);
+}
+
+static void model_load(int t, const void *base, int64_t stride) {
+    if (!model_tile(t)) return;
+    memset(model.data[t], 0, sizeof model.data[t]); /* rows and bytes past the shape: zero */
+    for (int r = 0; r < model.cfg.rows[t]; r++)
+        memcpy(model.data[t][r], (const char *)base + r * stride, model.cfg.colsb[t]);
+}
+
+static void model_store(int t, void *base, int64_t stride) {
+    if (!model_tile(t)) return;
+    for (int r = 0; r < model.cfg.rows[t]; r++)
+        memcpy((char *)base + r * stride, model.data[t][r], model.cfg.colsb[t]);
+}
+
+static float model_bf16(const uint8_t *p) { /* input denormals read as zero */
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return bf16_widen((h & 0x7f80) ? h : (uint16_t)(h & 0x8000));
+}
+
+/* tdpbf16ps c, a, b: c[m][n] += sum over pairs q of a[m][2q] b[q][2n] + a[m][2q+1] b[q][2n+1]. */
+static void model_dp(int c, int a, int b) {
+    const tile_config *f = &model.cfg;
+    if (!model_tile(c) || !model_tile(a) || !model_tile(b)) return;
+    if (c == a || c == b || a == b || f->colsb[c] != f->colsb[b] || f->rows[c] != f->rows[a] ||
+        f->colsb[a] / 4 != f->rows[b] || f->colsb[a] % 4 || f->colsb[c] % 4) {
+        model_fault();
+        return;
+    }
+    for (int m = 0; m < f->rows[c]; m++)
+        for (int n = 0; n < f->colsb[c] / 4; n++) {
+            float acc;
+            memcpy(&acc, model.data[c][m] + 4 * n, sizeof acc);
+            for (int q = 0; q < f->colsb[a] / 4; q++)
+                for (int e = 0; e < 2; e++)
+                    acc += model_bf16(model.data[a][m] + 4 * q + 2 * e) *
+                           model_bf16(model.data[b][q] + 4 * n + 2 * e);
+            memcpy(model.data[c][m] + 4 * n, &acc, sizeof acc);
+        }
+}
+
+static void model_release(void) { model.configured = 0; }
+
+#define TILE_FN(name) tiles_model_##name
+#define TILE_TARGET
+#define TILE_CONFIG(cfg) model_config(cfg)
+#define TILE_LOAD(t, base, stride) model_load(t, base, stride)
+#define TILE_STORE(t, base, stride) model_store(t, base, stride)
+#define TILE_DP(c, a, b) model_dp(c, a, b)
+#define TILE_RELEASE() model_release()
+#include "amx_tiles.h"
+#undef TILE_FN
+#undef TILE_TARGET
+#undef TILE_CONFIG
+#undef TILE_LOAD
+#undef TILE_STORE
+#undef TILE_DP
+#undef TILE_RELEASE
+
+/* The CPU's tiles: x86-64 Linux with a compiler that has the AMX intrinsics, and AVX-512's
+ * 32-column panels. */
+#if defined(__x86_64__) && defined(__linux__) && NR == 32 &&                                  \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) ||                           \
+     (defined(__clang__) && __clang_major__ >= 12))
+#define HAVE_TILE_CODE 1
+#include <cpuid.h>
+#define TILE_FN(name) tiles_cpu_##name
+#define TILE_TARGET __attribute__((target("amx-tile,amx-bf16")))
+/* The intrinsics' asm names no memory it reads or writes (ldtilecfg 8 bytes of 64): a compiler
+ * barrier keeps the stores of a configuration, a bias, a block's rows before the instruction
+ * that reads them, and the reads of a stored tile after it. */
+#define TILE_FENCE() __asm__ volatile("" ::: "memory")
+#define TILE_CONFIG(cfg)                                                                       \
+    do {                                                                                       \
+        TILE_FENCE();                                                                          \
+        _tile_loadconfig(cfg);                                                                 \
+    } while (0)
+#define TILE_LOAD(t, base, stride)                                                             \
+    do {                                                                                       \
+        TILE_FENCE();                                                                          \
+        _tile_loadd(t, base, stride);                                                          \
+    } while (0)
+#define TILE_STORE(t, base, stride)                                                            \
+    do {                                                                                       \
+        _tile_stored(t, base, stride);                                                         \
+        TILE_FENCE();                                                                          \
+    } while (0)
+#define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define TILE_RELEASE() _tile_release()
+#include "amx_tiles.h"
+
+/* AMX-TILE and AMX-BF16 (cpuid 7.0 edx bits 24 and 22), and Linux's leave to use the tiles'
+ * 8 KiB of state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process). */
+static int tiles_on_cpu(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
+        return 0;
+    const long req_perm = 0x1023, get_perm = 0x1022, xtiledata = 18;
+    uint64_t granted = 0;
+    if (syscall(SYS_arch_prctl, req_perm, xtiledata) != 0) return 0;
+    if (syscall(SYS_arch_prctl, get_perm, &granted) != 0) return 0;
+    return (granted >> xtiledata) & 1;
+}
+#else
+#define HAVE_TILE_CODE 0
+static int tiles_on_cpu(void) { return 0; }
+#endif
+
+/* Where bf16 products run from now on: TILES_OFF (vdpbf16ps), TILES_CPU (AMX; where the CPU,
+ * the OS and this build have it) or TILES_MODEL (the software model, for tests; AVX-512's
+ * panels). Returns the mode set: TILES_OFF where the one asked for is not available. Call
+ * between products. */
+int team_set_tiles(int mode) {
+    if (mode == TILES_CPU && !tiles_on_cpu()) mode = TILES_OFF;
+    if (mode == TILES_MODEL && NR != 32) mode = TILES_OFF;
+    if (mode != TILES_CPU && mode != TILES_MODEL) mode = TILES_OFF;
+    tiles_mode = mode;
+    return mode;
+}
+
+int team_tiles(void) { return tiles_mode; }
+
+/* Operations the software model refused so far (where the CPU would have faulted). */
+uint64_t team_tile_faults(void) { return atomic_load(&model_faults); }
+
+static void tile_rows(const gemm_params *g, int64_t r0, int64_t r1, int64_t p, void *c,
+                      int64_t ldc) {
+#if HAVE_TILE_CODE
+    if (g->tiles == TILES_CPU) {
+        tiles_cpu_rows(g, r0, r1, p, c, ldc);
+        return;
+    }
+#endif
+    tiles_model_rows(g, r0, r1, p, c, ldc);
+}
+
 static void gemm_item(const void *params, int64_t item, float *scratch) {
     const gemm_params *g = params;
     int64_t p, r0, r1;
@@ -449,7 +655,9 @@ static void gemm_item(const void *params, int64_t item, float *scratch) {
     const int esize = g->bf16 ? 2 : 4;
     void *c = scratch ? (void *)scratch : (char *)g->c + (r0 * g->n + p * NR) * esize;
     const int64_t ldc = scratch ? NR : g->n;
-    if (g->bf16)
+    if (g->tiles)
+        tile_rows(g, r0, r1, p, c, ldc);
+    else if (g->bf16)
         gemm_rows(g, r0, r1, p, c, ldc, 1);
     else
         gemm_rows(g, r0, r1, p, c, ldc, 0);
@@ -494,13 +702,14 @@ static uint64_t gemm_run(gemm_params g) {
  * reaches it). */
 uint64_t gemm_f32(const float *a, int64_t m, int64_t k, const float *wp, int64_t n,
                   const float *bias, float *c) {
-    return gemm_run((gemm_params){a, wp, bias, c, m, k, n, 0, 0, 0});
+    return gemm_run((gemm_params){a, wp, bias, c, m, k, n, 0, 0, 0, TILES_OFF});
 }
 
-/* The same in bf16 (a, w packed by pack_bf16, bias and c); (uint64_t)-1 where the CPU has no
- * AVX512-BF16. */
+/* The same in bf16 (a, w packed by pack_bf16, bias and c), on tiles where team_set_tiles says
+ * so and k is a multiple of 32; (uint64_t)-1 where neither AVX512-BF16 nor tiles compute it. */
 uint64_t gemm_bf16(const uint16_t *a, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
                    const uint16_t *bias, uint16_t *c) {
-    if (!HAVE_BF16_PRODUCTS) return (uint64_t)-1;
-    return gemm_run((gemm_params){a, wp, bias, c, m, k, n, 0, 0, 1});
+    const int tiles = k % 32 == 0 ? tiles_mode : TILES_OFF;
+    if (!HAVE_BF16_PRODUCTS && !tiles) return (uint64_t)-1;
+    return gemm_run((gemm_params){a, wp, bias, c, m, k, n, 0, 0, 1, tiles});
 }

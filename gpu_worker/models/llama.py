@@ -348,19 +348,23 @@ class CausalLM(nn.Module):
         """Rows added past a step's tokens (token 0 at position 0) so that the prepacked bf16
         projections see multiples of `bf16_row_align()` rows: padded once per step here
         rather than by each projection (4 per layer). 0 on every other path."""
-        if not self._packed_in(torch.bfloat16):
-            return 0
+        packed = cast(DecoderLayer, self.layers[0]).qkv_packed
+        if packed is None or packed.dtype != torch.bfloat16 or packed.dim() == 3:
+            return 0  # the CPU team's products take any row count, on AMX tiles too
         return -num_tokens % bf16_row_align()
 
     def projection_path(self) -> str:
         """How the projections multiply: `F.linear`, `onednn-float32`, `onednn-bfloat16`, or
         `onednn-float32-widened` (a half-precision model's products in float32); `team-...`
-        alike on the CPU team's products."""
+        alike on the CPU team's products (`team-bfloat16-amx` on AMX tiles, `-model` on their
+        software model)."""
         packed = self.lm_head_packed
         if packed is None:
             return "F.linear"
         kind = "team" if packed.dim() == 3 else "onednn"
         name = f"{kind}-{str(packed.dtype).removeprefix('torch.')}"
+        if packed.dim() == 3 and packed.dtype == torch.bfloat16 and cpu_team.tiles() != "off":
+            name += f"-{cpu_team.tiles()}"
         return name + "-widened" if packed.dtype != self.dtype else name
 
     def _packed_in(self, dtype: torch.dtype) -> bool:
