@@ -54,8 +54,15 @@ def _run(module: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 
 def _rate(report: dict[str, Any], system: str) -> float | None:
+    """`system`'s output tok/s in a report: serve_compare names its rows "NAME@RATE",
+    offline_throughput "pagedserve (...)" and "vLLM CPU (...)"."""
     for row in report["systems"]:
-        if row["system"] in (system, f"{system}@inf"):
+        name = row["system"]
+        if report["benchmark"] == "serve_compare":
+            found = name == f"{system}@inf"
+        else:
+            found = name.lower().startswith(f"{system.lower()} ")
+        if found:
             return row["output_tok_per_s"]
     return None
 
@@ -117,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         headers += [f"{a.variant} tok/s", "× vLLM (its run)"]
     table = []
     for row in rows:
-        cells = [row["workload"], row["pagedserve"], row["vllm"], row["ratio"], row["met"]]
+        met = "yes" if row["met"] else "no"
+        cells = [row["workload"], row["pagedserve"], row["vllm"], row["ratio"], met]
         if variant_vars:
             cells += [row.get("variant"), row.get("variant_ratio")]
         table.append(cells)

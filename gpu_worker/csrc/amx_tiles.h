@@ -13,21 +13,21 @@
  * 0-15 and 16-31 (16 x 16 floats), 2 and 3 its rows 16-31; 4 and 5 hold those rows of a (16
  * rows x 32 bf16 of k); 6 and 7 the panel's two halves of columns over 32 k, which pack_bf16's
  * layout already is: a row of tile 6 is one pair of k for columns 0-15 (64 bytes), and the
- * next pair of k starts NR * 2 elements later. The accumulators start from the bias, every
- * row loaded from the same 16 floats (stride 0).
+ * next pair of k starts NR * 2 elements later. The accumulators start from the bias (16 rows
+ * of it).
  */
 
-/* c[0:mr] (mr <= 32, rows ldc elements apart) = a[0:mr] @ panel + bias; k a multiple of 32,
- * the tiles configured for mr rows. */
+/* c[0:mr] (mr <= 32, rows ldc elements apart) = a[0:mr] @ panel + bias (the panel's bias in
+ * each of 16 rows); k a multiple of 32, the tiles configured for mr rows. */
 static TILE_TARGET void TILE_FN(block)(const uint16_t *a, int64_t lda, const uint16_t *bp,
                                        int64_t k, uint16_t *c, int64_t ldc, int64_t ncols,
-                                       const float *bias, const int mr) {
+                                       const float (*bias)[NR], const int mr) {
     const int two = mr > 16;
-    TILE_LOAD(0, bias, 0);
-    TILE_LOAD(1, bias + 16, 0);
+    TILE_LOAD(0, bias[0], NR * 4);
+    TILE_LOAD(1, bias[0] + 16, NR * 4);
     if (two) {
-        TILE_LOAD(2, bias, 0);
-        TILE_LOAD(3, bias + 16, 0);
+        TILE_LOAD(2, bias[0], NR * 4);
+        TILE_LOAD(3, bias[0] + 16, NR * 4);
     }
     for (int64_t kk = 0; kk < k; kk += 32) {
         const uint16_t *b = bp + kk * NR; /* pair of k kk / 2, each NR * 2 elements */
@@ -59,8 +59,9 @@ static TILE_TARGET void TILE_FN(rows)(const gemm_params *g, int64_t r0, int64_t 
                                       uint16_t *c, int64_t ldc) {
     const uint16_t *bp = (const uint16_t *)g->wp + p * g->k * NR;
     const int64_t ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
-    _Alignas(64) float bias[NR];
-    widen_bias(g, p, ncols, bias);
+    _Alignas(64) float bias[16][NR];
+    widen_bias(g, p, ncols, bias[0]);
+    for (int r = 1; r < 16; r++) memcpy(bias[r], bias[0], sizeof bias[0]);
     const uint16_t *a = g->a;
     int configured = 0;
     for (int64_t r = r0; r < r1; r += 32) {
@@ -71,7 +72,8 @@ static TILE_TARGET void TILE_FN(rows)(const gemm_params *g, int64_t r0, int64_t 
             TILE_CONFIG(&cfg);
             configured = mr;
         }
-        TILE_FN(block)(a + r * g->k, g->k, bp, g->k, c + (r - r0) * ldc, ldc, ncols, bias, mr);
+        TILE_FN(block)(a + r * g->k, g->k, bp, g->k, c + (r - r0) * ldc, ldc, ncols,
+                       (const float(*)[NR])bias, mr);
     }
     TILE_RELEASE();
 }
