@@ -48,6 +48,7 @@ SWITCH = "PAGEDSERVE_CPU_TEAM"
 # products then run them (csrc/amx_tiles.h).
 TILES_SWITCH = "PAGEDSERVE_CPU_TEAM_AMX"
 TILE_MODES = {"off": 0, "amx": 1, "model": 2}
+REFUSED = 2**64 - 1  # what a product the library cannot compute returns
 # Measured on two cores; a larger team keeps OpenMP and oneDNN, whose blocking for many
 # threads this kernel does not have.
 MAX_THREADS = 4
@@ -133,7 +134,7 @@ def wanted(
 def tiles_wanted() -> str | None:
     """The tiles a bf16 worker asks for (`TILES_SWITCH`): "amx" where it is "1" on a CPU with
     AMX (the team's tile products rather than oneDNN's on an OpenMP team), "model" where it is
-    "model" (the software model of the tiles, on any CPU with AVX-512: tests), else None."""
+    "model" (the software model of the tiles, on any CPU with AVX512-BF16: tests), else None."""
     switch = os.environ.get(TILES_SWITCH)
     if switch == "model":
         return "model"
@@ -252,6 +253,8 @@ def linear(
         None if b is None else b.data_ptr(),
         out.data_ptr(),
     )
+    if gen == REFUSED:
+        raise RuntimeError("the CPU team has no bf16 products on this CPU (no AVX512-BF16)")
     hold(gen, x, panels, b)
     return out
 

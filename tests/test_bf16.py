@@ -128,7 +128,7 @@ def test_bf16_on_the_cpu_team_close_to_transformers_bf16(
     """The CPU team's bf16 products (a worker whose threads are bound, on a CPU with
     AVX512-BF16 and no AMX: tests/test_cpu_team.py), its float32 products of a widened bf16
     model (any CPU), and its products on AMX tiles (the CPU's, and their software model on any
-    CPU with AVX-512), under the same rule."""
+    CPU with AVX512-BF16), under the same rule."""
     from gpu_worker import cpu_team
 
     if len(os.sched_getaffinity(0)) < 2:
@@ -140,7 +140,7 @@ def test_bf16_on_the_cpu_team_close_to_transformers_bf16(
     if products == "team-bfloat16-amx" and cpu_team.set_tiles("amx") != "amx":
         pytest.skip("Linux refuses the tiles' state to this process, or the build has no AMX")
     if products == "team-bfloat16-model" and cpu_team.set_tiles("model") != "model":
-        pytest.skip("the tiles take AVX-512's panels of 32 columns")
+        pytest.skip("the tiles take AVX512-BF16's panels of 32 columns")
     cpu_team.set_tiles("off")
     model_dir = make_checkpoint(arch, num_hidden_layers=2)
     prompts = _prompts(6, 4096, seed=11)

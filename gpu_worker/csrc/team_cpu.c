@@ -36,6 +36,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -463,6 +464,9 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
+_Static_assert(sizeof(tile_config) == 64 && offsetof(tile_config, colsb) == 16 &&
+                   offsetof(tile_config, rows) == 48,
+               "ldtilecfg's 64-byte layout");
 
 /* The tiles of amx_tiles.h for a block of mr (1-32) rows. */
 static void tile_config_for(tile_config *cfg, int mr) {
@@ -621,12 +625,12 @@ static int tiles_on_cpu(void) { return 0; }
 #endif
 
 /* Where bf16 products run from now on: TILES_OFF (vdpbf16ps), TILES_CPU (AMX; where the CPU,
- * the OS and this build have it) or TILES_MODEL (the software model, for tests; AVX-512's
- * panels). Returns the mode set: TILES_OFF where the one asked for is not available. Call
- * between products. */
+ * the OS and this build have it) or TILES_MODEL (the software model, for tests). Either needs
+ * the vdpbf16ps block too, for products whose k is not a multiple of 32. Returns the mode set:
+ * TILES_OFF where the one asked for is not available. Call between products. */
 int team_set_tiles(int mode) {
+    if (!HAVE_BF16_PRODUCTS) mode = TILES_OFF;
     if (mode == TILES_CPU && !tiles_on_cpu()) mode = TILES_OFF;
-    if (mode == TILES_MODEL && NR != 32) mode = TILES_OFF;
     if (mode != TILES_CPU && mode != TILES_MODEL) mode = TILES_OFF;
     tiles_mode = mode;
     return mode;
@@ -706,10 +710,10 @@ uint64_t gemm_f32(const float *a, int64_t m, int64_t k, const float *wp, int64_t
 }
 
 /* The same in bf16 (a, w packed by pack_bf16, bias and c), on tiles where team_set_tiles says
- * so and k is a multiple of 32; (uint64_t)-1 where neither AVX512-BF16 nor tiles compute it. */
+ * so and k is a multiple of 32; (uint64_t)-1 where the CPU has no AVX512-BF16. */
 uint64_t gemm_bf16(const uint16_t *a, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
                    const uint16_t *bias, uint16_t *c) {
+    if (!HAVE_BF16_PRODUCTS) return (uint64_t)-1;
     const int tiles = k % 32 == 0 ? tiles_mode : TILES_OFF;
-    if (!HAVE_BF16_PRODUCTS && !tiles) return (uint64_t)-1;
     return gemm_run((gemm_params){a, wp, bias, c, m, k, n, 0, 0, 1, tiles});
 }
