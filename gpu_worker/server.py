@@ -158,7 +158,11 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
         helpers = cpu_team.start(affinity.other_cores(team - 1))
         if helpers:
             torch.set_num_threads(1)
-        log.info("cpu_team", helpers=helpers, threads=team)
+        log.info("cpu_team", helpers=helpers, threads=team, tiles=cpu_team.tiles())
+    elif dtype == torch.bfloat16 and (asked := cpu_team.tiles_wanted()):
+        # No team (threads not bound, more than MAX_THREADS, tensor parallel) or no tiles
+        # (Linux refused AMX's state, a build without the intrinsics): oneDNN keeps them.
+        log.warning("cpu_team_tiles_unused", asked=asked, threads=team, bound=affinity.is_bound())
     if cfg.device != "cpu" and cfg.cache_dtype != cfg.model_dtype:
         raise ValueError("a KV cache dtype other than the model's is supported on CPU only")
     isa = cpu_isa.bf16_isa() if cfg.device == "cpu" else None
