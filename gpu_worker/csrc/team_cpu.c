@@ -1,6 +1,6 @@
 /*
- * A team for the worker's CPU steps that no other process can stall, and the float32 products
- * that run on it.
+ * A team for the worker's CPU steps that no other process can stall, and the products that run
+ * on it (float32; bf16 with vdpbf16ps, or on AMX tiles).
  *
  * OpenMP ends every parallel region at a barrier: when another process (the gateway, the
  * control plane, a load client) takes the core of one thread of the team, the others wait at
