@@ -43,6 +43,8 @@ def test_bf16_targets_reads_offline_reports(
     assert bf16_targets._rate(rep, "vllm") is None
 
 
-def test_bf16_targets_refuses_a_variant_of_arguments() -> None:
-    with pytest.raises(SystemExit):
+def test_bf16_targets_refuses_what_it_cannot_run() -> None:
+    with pytest.raises(SystemExit):  # a variant is environment variables only
         bf16_targets.main(["--vllm-venv", "x", "--variant", "--num-threads 1"])
+    with pytest.raises(SystemExit):  # float32 rows only with --float32
+        bf16_targets.main(["--vllm-venv", "x", "--only", "tiny streamed, float32"])
