@@ -27,7 +27,13 @@ from pydantic import (
 
 from gateway.errors import bad_request
 from gateway.tools import EMPTY_PARAMETERS, TOOL_NAME, SchemaError, check_schema, required_schema
-from pagedserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, EarlyStopping
+from pagedserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    EarlyStopping,
+    length_penalty_out_of_range,
+)
 
 UINT32_MAX = 2**32 - 1
 MAX_CHOICES = 256  # prompts x n in one request
@@ -415,6 +421,9 @@ class SamplingFields(_Body):
                 f"least n (the sequences returned, {self.n})",
                 "best_of",
             )
+        max_tokens = self.effective_max_tokens()
+        if max_tokens and (why := length_penalty_out_of_range(self.length_penalty, max_tokens)):
+            raise bad_request(why, "length_penalty")
         conflicts = self.beam_search_conflicts()
         if conflicts:
             name, value = conflicts[0]

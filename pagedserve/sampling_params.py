@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+# ln of float32's smallest normal number's reciprocal, below ln(float32 max) = 88.72: where
+# |x| stays under it, exp(x) is a finite, normal float32.
+FLOAT32_LOG_MAX = 87.3
 # Default max_tokens when a client leaves it unset, as OpenAI's completions API does.
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
@@ -175,6 +178,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"length_penalty must be in [-1000, 1000], got {self.length_penalty}"
             )
+        if why := length_penalty_out_of_range(self.length_penalty, self.max_tokens):
+            raise InvalidRequestError(why)
         if self.early_stopping not in (True, False, "never"):
             raise InvalidRequestError(
                 f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"
@@ -208,6 +213,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def length_penalty_out_of_range(length_penalty: float, max_tokens: int) -> str | None:
+    """Why beam scores of up to max_tokens tokens cannot divide by length ** length_penalty
+    in float32 (past its range, or below its normal numbers); None where they can."""
+    if abs(length_penalty) * math.log(max(max_tokens, 1)) <= FLOAT32_LOG_MAX:
+        return None
+    limit = FLOAT32_LOG_MAX / math.log(max_tokens)
+    return (
+        f"length_penalty {length_penalty}: max_tokens ** length_penalty is past float32's "
+        f"range; with max_tokens {max_tokens} it must be within ±{limit:.4g}"
+    )
 
 
 def beam_candidates(beam_width: int, num_eos_token_ids: int) -> int:

@@ -75,6 +75,19 @@ REFUSED = [
     Case("early_stopping string", completion(**BEAM, early_stopping="true"), "early_stopping"),
     Case("early_stopping number", completion(**BEAM, early_stopping=1), "early_stopping"),
     Case("length_penalty range", completion(**BEAM, length_penalty=1e6), "length_penalty"),
+    Case(  # 100 ** 200 is past float32 (and float64): scores could not be divided by it
+        "length_penalty past float32 at max_tokens",
+        completion(**BEAM, length_penalty=200, max_tokens=100),
+        "length_penalty",
+        says="within ±18.96",
+    ),
+    Case(
+        "negative length_penalty past float32",
+        chat(**BEAM, length_penalty=-30, max_tokens=30),
+        "length_penalty",
+        CHAT,
+        "within ±25.67",
+    ),
     Case("length_penalty string", completion(**BEAM, length_penalty="1"), "length_penalty"),
     Case("use_beam_search string", completion(use_beam_search="yes"), "use_beam_search"),
 ]
@@ -174,6 +187,26 @@ def test_refusals_match_the_control_plane(case: Case) -> None:
     sampling.beam_width = req.n
     with pytest.raises(InvalidRequestError, match=f"takes no {case.param}"):
         sampling_from_proto(sampling, default_max_tokens=16)
+
+
+@pytest.mark.parametrize(("penalty", "max_tokens", "ok"), [(18.5, 100, True), (19.0, 100, False),
+                                                     (-87.0, 2, True), (-126.0, 2, False),
+                                                     (1000.0, 1, True)])  # fmt: skip
+def test_the_control_plane_refuses_a_length_penalty_past_float32(
+    penalty: float, max_tokens: int, ok: bool
+) -> None:
+    """length ** length_penalty must be a normal float32 for every length up to max_tokens,
+    or a score divides by inf or 0 (`control_plane/beam.py`): refused with INVALID_ARGUMENT
+    rather than failing the engine step, and every other request with it."""
+    sampling = common_pb2.SamplingParams(
+        beam_width=2, length_penalty=penalty, max_tokens=max_tokens
+    )
+    if ok:
+        assert sampling_from_proto(sampling, default_max_tokens=16).length_penalty == penalty
+        assert math.isfinite(float(max_tokens) ** penalty) and max_tokens**penalty > 1.2e-38
+    else:
+        with pytest.raises(InvalidRequestError, match="past float32's range"):
+            sampling_from_proto(sampling, default_max_tokens=16)
 
 
 def test_openapi_documents_the_parameters(http: httpx.Client) -> None:
