@@ -13,6 +13,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pagedserve.json_values import check_json_value
 from pagedserve.sampling_params import InvalidRequestError
 
 # A message's content while locating contents: noncharacters no template writes itself.
@@ -59,6 +60,8 @@ def template_message(m: Any) -> dict[str, Any]:
     if m.tool_calls_json:
         try:
             calls = json.loads(m.tool_calls_json)
+        except RecursionError:
+            raise InvalidRequestError("tool_calls_json is nested too deeply") from None
         except ValueError as exc:
             raise InvalidRequestError(f"tool_calls_json is not valid JSON: {exc}") from None
         if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
@@ -68,8 +71,9 @@ def template_message(m: Any) -> dict[str, Any]:
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):
                 try:
                     arguments = json.loads(function["arguments"])
-                except ValueError:
-                    continue
+                    check_json_value(arguments)  # the template renders it recursively
+                except (ValueError, RecursionError):
+                    continue  # passed to the template as the text it is
                 if isinstance(arguments, dict):
                     call["function"] = {**function, "arguments": arguments}
         out["tool_calls"] = calls

@@ -27,6 +27,7 @@ from pydantic import (
 
 from gateway.errors import bad_request
 from gateway.tools import EMPTY_PARAMETERS, TOOL_NAME, SchemaError, check_schema, required_schema
+from pagedserve.json_values import check_json_value
 from pagedserve.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -112,6 +113,9 @@ def _schema_text(schema: Any, param: str) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+            check_json_value(schema)
+        except RecursionError:
+            raise bad_request(f"{param}: JSON nested too deeply", param) from None
         except ValueError as exc:
             raise bad_request(f"{param}: not valid JSON: {exc}", param) from None
     try:
@@ -119,21 +123,6 @@ def _schema_text(schema: Any, param: str) -> str:
     except SchemaError as exc:
         raise bad_request(f"{exc.path}: {exc.message}", param) from None
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-
-
-def _reject_lone_surrogates(value: Any) -> None:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _reject_lone_surrogates(k)
-            _reject_lone_surrogates(v)
-    elif isinstance(value, list):
-        for v in value:
-            _reject_lone_surrogates(v)
 
 
 @functools.cache
@@ -150,7 +139,7 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _unicode(cls, data: Any) -> Any:
-        _reject_lone_surrogates(data)
+        check_json_value(data)
         return data
 
     @model_validator(mode="wrap")

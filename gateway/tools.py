@@ -246,7 +246,7 @@ def member_text(text: str, start: int, key: str) -> str | None:
             pos = _skip_space(text, end)
             if text[pos : pos + 1] == ",":
                 pos = _skip_space(text, pos + 1)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     return None
 
@@ -357,6 +357,9 @@ class CallListParser(ToolCallParser):
                 item, end = _DECODER.raw_decode(self._text, start)
             except json.JSONDecodeError:
                 break  # not complete yet
+            except RecursionError:  # nested past what the decoder takes: not a call
+                self._done = True
+                break
             self._pos = end
             if not (isinstance(item, dict) and item.get("name") in self.names):
                 self._done = True
@@ -410,7 +413,7 @@ class HermesParser(ToolCallParser):
     def _parse_call(self, body: str) -> dict[str, Any] | None:
         try:
             data = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(data, dict) or data.get("name") not in self.names:
             return None

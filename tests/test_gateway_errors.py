@@ -98,6 +98,30 @@ CASES = [
         param="top_logprobs",
     ),
     Case("chat: tools", 400, chat(USER, tools=[{"type": "function"}]), "/v1/chat/completions"),
+    Case(
+        "body nested 960 deep", 400, ('{"prompt":"hi","x":' + "[" * 960 + "]" * 960 + "}").encode()
+    ),
+    Case(
+        "guided_json nested 3000 deep", 400, completion(guided_json="[" * 3000), param="guided_json"
+    ),
+    Case(
+        "guided_json with an escaped lone surrogate",
+        400,
+        completion(guided_json='{"const": "\\ud800"}'),
+        param="guided_json",
+    ),
+    Case(
+        "tool parameters nested 956 deep",
+        400,
+        (
+            '{"messages":[{"role":"user","content":"x"}],"tool_choice":"required","tools":[{"type":'
+            '"function","function":{"name":"f","parameters":{"type":"object","default":'
+            + "[" * 956
+            + "]" * 956
+            + "}}}]}"
+        ).encode(),
+        "/v1/chat/completions",
+    ),
     Case("wrong method", 405, None, method="GET"),
     Case("unknown route", 404, {}, path="/v1/engines"),
 ]
@@ -140,3 +164,16 @@ def test_hostile_request(gs: GatewayStack, http: httpx.Client, case: Case) -> No
     ok = http.post(f"{gs.url}/v1/completions", headers=gs.headers, json=completion(max_tokens=2))
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_tool_call_arguments_nested_past_the_decoder(gs: GatewayStack, http: httpx.Client) -> None:
+    """An earlier assistant turn's tool-call arguments too deep for Python's JSON decoder: the
+    template gets them as the text they are (no 500), and the next request still runs."""
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls}]
+    r = http.post(
+        f"{gs.url}/v1/chat/completions", headers=gs.headers, json=chat(messages, max_tokens=2)
+    )
+    assert r.status_code == 200, r.text
+    ok = http.post(f"{gs.url}/v1/completions", headers=gs.headers, json=completion(max_tokens=2))
+    assert ok.status_code == 200, ok.text
