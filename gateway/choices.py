@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
+import structlog
 
 from gateway.errors import APIError, bad_request, from_grpc
 from gateway.metrics import GatewayMetrics
@@ -177,10 +178,13 @@ async def stream_choices(
     ]
     inbox = Inbox(stall_timeout_s, lambda slot, msg: timers[slot].on_message(msg))
     streams = [upstream.generate(c.request, inbox, slot) for slot, c in enumerate(choices)]
+    # The stall is noticed on the task that reads every request's messages: named here.
+    request_id = structlog.contextvars.get_contextvars().get("request_id")
 
     def stall() -> None:
         log.warning(
             "stream_stalled",
+            request_id=request_id,
             stall_timeout_s=stall_timeout_s,
             upstream_ids=[c.request.request_id for c in choices],
         )

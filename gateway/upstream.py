@@ -11,6 +11,7 @@ plane coming back and the channel's next connection attempt.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -198,7 +199,8 @@ class _ManyCall:
         self._outbox: asyncio.Queue[pb.GenerateManyRequest] = asyncio.Queue()
         self._streams: dict[str, GenerateStream] = {}
         self._call = upstream.stub.GenerateMany(self._outgoing())
-        self._reader = asyncio.create_task(self._read())
+        # Carries every request's messages: none of the log context of the one that opened it.
+        self._reader = asyncio.create_task(self._read(), context=contextvars.Context())
         self.broken = False
 
     async def _outgoing(self) -> AsyncIterator[pb.GenerateManyRequest]:

@@ -30,16 +30,17 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def never_reading_stream(port: int, body: dict[str, object]) -> socket.socket:
+def never_reading_stream(port: int, body: dict[str, object], rid: str = "") -> socket.socket:
     """A streamed completion request on a socket that is never read (a small receive buffer,
-    so the server's writes back up at once)."""
+    so the server's writes back up at once), with x-request-id `rid` where given."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
+    header = f"x-request-id: {rid}\r\n" if rid else ""
     s.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + f"{header}Content-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
     return s
@@ -54,12 +55,22 @@ def test_never_reading_clients_are_bounded_then_aborted(
     port = int(gw.url.rsplit(":", 1)[1])
     try:
         total_blocks = stack.stats().workers[0].num_free_gpu_blocks
+        # A request that reads: the gateway's shared upstream call opens with it.
+        import httpx
+
+        opener = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": [5, 6, 7], "max_tokens": 2},
+            headers={"x-request-id": "opener"},
+            timeout=30,
+        )
+        assert opener.status_code == 200, opener.text
         before = rss_mib(gw.proc.pid)
         body = {
             "prompt": [5, 6, 7], "max_tokens": 2000, "n": 8, "logprobs": 5, "stream": True,
             "ignore_eos": True, "temperature": 1.0, "seed": 1,
         }  # fmt: skip
-        clients = [never_reading_stream(port, body) for _ in range(2)]
+        clients = [never_reading_stream(port, body, f"stalled-{i}") for i in range(2)]
         peak = before
         start = time.monotonic()
         while time.monotonic() - start < STALL_S + 20:
@@ -73,15 +84,19 @@ def test_never_reading_clients_are_bounded_then_aborted(
         assert s.num_requests_aborted >= 2 and s.num_running == 0, s
         assert s.workers[0].num_generated_tokens < 2 * 8 * 2000
         assert s.workers[0].num_free_gpu_blocks == total_blocks
-        assert "stream_stalled" in gw.output()
+        stalls = [
+            json.loads(line)
+            for line in gw.output().splitlines()
+            if line.startswith("{") and '"stream_stalled"' in line
+        ]
+        # Each names the stalled request, not the one that opened the shared call.
+        assert sorted(e["request_id"] for e in stalls) == ["stalled-0", "stalled-1"], stalls
         assert peak - before < 40, f"gateway grew {peak - before:.0f} MiB"
         for c in clients:
             c.close()
         time.sleep(1)
         assert rss_mib(gw.proc.pid) - before < 40
         # The gateway serves on.
-        import httpx
-
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": [5, 6, 7], "max_tokens": 4},
