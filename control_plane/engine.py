@@ -525,6 +525,8 @@ class EngineLoop:
             self._write_trace(plan, result, sent, now, seconds)
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result.prompt_logprobs)
+        for req_id, why in result.failed.items():  # before update, which then skips them
+            self._fail_request(req_id, InvalidRequestError(f"structured output failed: {why}"))
         deltas = self.scheduler.update(plan, result)
         self._cache_events += self.scheduler.block_manager.drain_events()
         self._publish(deltas)
@@ -715,13 +717,22 @@ class EngineLoop:
         try:
             self.scheduler.add_request(r)
         except (InvalidRequestError, ValueError) as exc:  # this pool is too small for it
-            client_id = r.parent_id or r.req_id
-            # Siblings already requeued would generate for nobody.
-            self.scheduler.finish_requests([client_id], RequestStatus.FINISHED_ABORTED)
-            stream = self.streams.pop(client_id, None)
-            if stream is not None and not stream.finished:
-                stream.finished = True
-                stream.put(exc)
+            self._fail_client(r.parent_id or r.req_id, exc)
+
+    def _fail_request(self, req_id: str, exc: BaseException) -> None:
+        """Ends the client request that `req_id` (itself, or one of its n sequences or beams)
+        belongs to with `exc`; nothing where it has finished already."""
+        req = self.scheduler.get_request(req_id)
+        if req is not None:
+            self._fail_client(req.parent_id or req.req_id, exc)
+
+    def _fail_client(self, client_id: str, exc: BaseException) -> None:
+        # Siblings would generate for nobody.
+        self.scheduler.finish_requests([client_id], RequestStatus.FINISHED_ABORTED)
+        stream = self.streams.pop(client_id, None)
+        if stream is not None and not stream.finished:
+            stream.finished = True
+            stream.put(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self.streams.values():

@@ -161,9 +161,15 @@ class ModelRunner:
             result.prompt_logprobs = self._prompt_logprobs(plan.num_scheduled_tokens, hidden)
             for req_id, n in plan.num_scheduled_tokens.items():
                 self.requests[req_id].num_computed_tokens += n
+            failed = result.failed
             for req_id, tok in result.sampled.items():
                 st = self.requests[req_id]
                 if st.sampling.beam_width:  # a beam's token comes with a later fork
+                    continue
+                # A matcher in error (its parser's limits reached while its mask was made)
+                # allowed only the stop tokens: the token is no answer, the request fails.
+                if st.matcher is not None and (why := st.matcher.error()):
+                    failed[req_id] = why
                     continue
                 st.token_ids.append(tok.token_id)
                 # A terminated matcher's request has ended (the control plane learns it from
@@ -171,6 +177,10 @@ class ModelRunner:
                 if st.matcher is not None and not st.matcher.terminated:
                     if not st.matcher.accept(tok.token_id):
                         log.error("token_outside_grammar", request_id=req_id, token=tok.token_id)
+                        failed[req_id] = st.matcher.error() or "a token outside the grammar"
+            for req_id, why in failed.items():
+                result.sampled.pop(req_id, None)
+                log.warning("structured_output_failed", request_id=req_id, reason=why)
             result.model_time_s = time.perf_counter() - t1
         result.total_time_s = time.perf_counter() - t0
         return result

@@ -253,6 +253,15 @@ class Matcher:
         self._ended = ok and token_id in self._stops
         return ok
 
+    def error(self) -> str | None:
+        """Why the grammar library cannot go on (a limit of its parser reached, a token it
+        does not allow consumed), or None. In that state its masks allow only the stop tokens:
+        the output must not be taken for a complete one."""
+        if not self._m.is_error():
+            return None
+        lines = [line.strip() for line in self._m.get_error().splitlines() if line.strip()]
+        return " ".join(lines[:1])[:300] or "the grammar stopped"
+
     @property
     def terminated(self) -> bool:
         """A stop token was accepted: nothing may follow. (Where the text is complete but no

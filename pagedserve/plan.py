@@ -149,3 +149,5 @@ class StepResult:
     total_time_s: float = 0.0  # everything the worker did for the step
     # Requests asking for prompt logprobs whose prompt tokens this step computed.
     prompt_logprobs: dict[str, PromptLogprobRun] = field(default_factory=dict)
+    # Requests the worker cannot go on with, and why (no token of theirs is in `sampled`).
+    failed: dict[str, str] = field(default_factory=dict)

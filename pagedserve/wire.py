@@ -256,6 +256,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         model_time_s=result.model_time_s,
         total_time_s=result.total_time_s,
         prompt_logprobs=prompt,
+        failed=[worker_pb2.RequestFailure(req_id=r, message=m) for r, m in result.failed.items()],
     )
 
 
@@ -276,4 +277,5 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         model_time_s=msg.model_time_s,
         total_time_s=msg.total_time_s,
         prompt_logprobs=prompt,
+        failed={f.req_id: f.message for f in msg.failed},
     )

@@ -11,6 +11,7 @@ forced tool calls, `guided_choice` and `logit_bias` as a client sees them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import shutil
@@ -793,6 +794,30 @@ def test_constrained_completions(http: httpx.Client) -> None:
         json=completion(structured_outputs={"grammar": grammar}, temperature=1.0, max_tokens=16),
     )
     assert r.json()["choices"][0]["text"] in ("yes", "no", "maybe")
+
+
+def test_a_grammar_past_the_parsers_limits_fails_its_request_only(http: httpx.Client) -> None:
+    """2,500 choices sharing their first character: once it is taken, the parser's row holds
+    more items than it allows, and the grammar library stops (its masks then allow only EOS).
+    The request fails with a 400 naming why, rather than ending with a text outside its
+    choices as a "stop" (streamed, with an error, never a stop); a request beside it is
+    unharmed."""
+    choices = [f"c{i}" for i in range(2500)]
+    body = completion(guided_choice=choices, temperature=0, max_tokens=8)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(http.post, CMPL, json=body)
+        good = pool.submit(http.post, CMPL, json=completion(max_tokens=8, temperature=0))
+        r, ok = bad.result(), good.result()
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "structured output failed" in error["message"] and "items" in error["message"]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    with http.stream("POST", CMPL, json={**body, "stream": True}) as s:
+        lines = list(s.iter_lines())
+    # Before its first event (the first token's text still held back) the status says it.
+    assert s.status_code in (200, 400), lines
+    assert any("structured output failed" in line for line in lines), lines
+    assert not any('"finish_reason":"stop"' in line.replace(" ", "") for line in lines), lines
 
 
 def test_constrained_chat_streams_as_content(http: httpx.Client) -> None:
