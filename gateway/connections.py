@@ -174,6 +174,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.transport.write(_raw_response(err))
         self._close()
 
+    def send_400_response(self, msg: str) -> None:
+        """What the HTTP parser cannot read (a bad request line or header, a Content-Length
+        that is no number, twice over or beside Transfer-Encoding, a bad chunk size): a 400 in
+        OpenAI's error shape, as every other refusal, and the connection closed."""
+        log.info("http_unparsable", detail=msg)
+        message = "the request could not be parsed as HTTP/1.1 (request line, headers or framing)"
+        err = APIError(400, message, code="invalid_http_request")
+        self.transport.write(_raw_response(err))
+        self._close()
+
     def _refuse_head(self) -> None:
         log.info("http_head_too_large", max_bytes=MAX_HEAD_BYTES)
         message = f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"

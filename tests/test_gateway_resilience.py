@@ -116,6 +116,31 @@ def test_slow_headers_and_bodies_time_out(procs: Processes) -> None:
     assert r.status_code == 200
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\n{}\r\n0\r\n\r\n",
+        b"GET /version HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+    ],
+    ids=["content-length not a number", "length and chunked", "bad chunk size", "bad header"],
+)
+def test_unparsable_http_gets_a_400_in_openais_shape(procs: Processes, head: bytes) -> None:
+    nowhere = f"127.0.0.1:{free_port()}"
+    gw = procs.gateway(nowhere)
+    got = _closed_within(_raw(_port(gw), head), 3)
+    assert got is not None and got.startswith(b"HTTP/1.1 400"), got
+    assert b"content-type: application/json" in got.lower()
+    error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "invalid_http_request"
+    r = httpx.get(f"{gw.url}/version", timeout=5)  # the gateway serves on
+    assert r.status_code == 200
+
+
 def test_a_head_past_the_cap_gets_431_and_kept_alive_requests_are_still_timed(
     procs: Processes,
 ) -> None:
