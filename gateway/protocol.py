@@ -97,6 +97,9 @@ LogitBias = Annotated[
 ]
 
 
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+
+
 @dataclass(frozen=True)
 class Constraint:
     """What the output must match, and the request field that asked for it. `kind` and
@@ -212,10 +215,11 @@ class SamplingFields(_Body):
     model: Annotated[str, Field(max_length=512)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1e4)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    # Positive, and still so in the control plane's float32 (its smallest normal number).
+    top_p: Annotated[float, Field(ge=FLOAT32_TINY, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1), INTEGRAL] | None = None  # -1 or 0: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=FLOAT32_TINY, le=100.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1

@@ -59,6 +59,13 @@ CASES = [
     Case("temperature < 0", 400, completion(temperature=-0.5), param="temperature"),
     Case("top_p > 1", 400, completion(top_p=1.5), param="top_p"),
     Case("top_p = 0", 400, completion(top_p=0), param="top_p"),
+    Case("top_p 0 in float32", 400, completion(top_p=1e-300), param="top_p"),
+    Case(
+        "repetition_penalty 0 in float32",
+        400,
+        completion(repetition_penalty=1e-60),
+        param="repetition_penalty",
+    ),
     Case("presence_penalty > 2", 400, completion(presence_penalty=3), param="presence_penalty"),
     Case("n = 0", 400, completion(n=0), param="n"),
     Case("n too large", 400, completion(n=10_000), param="n"),
