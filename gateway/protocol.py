@@ -29,6 +29,7 @@ from gateway.errors import bad_request
 from gateway.tools import EMPTY_PARAMETERS, TOOL_NAME, SchemaError, check_schema, required_schema
 from pagedserve.json_values import check_json_value
 from pagedserve.sampling_params import (
+    FLOAT32_TINY,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
@@ -95,9 +96,6 @@ LogitBias = Annotated[
         f"(-100 bans the token, 100 all but forces it); at most {MAX_LOGIT_BIAS} tokens"
     ),
 ]
-
-
-FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-# ln of float32's smallest normal number's reciprocal, below ln(float32 max) = 88.72: where
-# |x| stays under it, exp(x) is a finite, normal float32.
+# float32's smallest normal number (2^-126): the least positive value a float field of the
+# protos keeps as such.
+FLOAT32_TINY = 1.1754943508222875e-38
+# A little under -ln(FLOAT32_TINY) = 87.34, itself under ln(float32 max) = 88.72: where |x|
+# stays under it, exp(x) is a finite, normal float32.
 FLOAT32_LOG_MAX = 87.3
 # Default max_tokens when a client leaves it unset, as OpenAI's completions API does.
 DEFAULT_MAX_TOKENS = 16
