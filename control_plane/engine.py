@@ -145,6 +145,7 @@ class RequestStream:
     finished_indexes: set[int] = field(default_factory=set)  # completions that ended
     prompt_logprobs: list[SampledToken] = field(default_factory=list)  # tokens 1.. of the prompt
     prompt_logprobs_sent: bool = False
+    batch_id: str = ""  # the batch it came in (GenerateRequest.batch_id), "" alone
     _held: dict[int, OutputChunk] = field(default_factory=dict)
 
     def emit(self, chunk: OutputChunk) -> None:
@@ -253,6 +254,7 @@ class EngineLoop:
         request: Request,
         final_only: bool = False,
         sink: Callable[[OutputChunk | BaseException], None] | None = None,
+        batch_id: str = "",
     ) -> RequestStream:
         n = request.sampling.n
         detoks = [
@@ -265,7 +267,7 @@ class EngineLoop:
             )
             for _ in range(n)
         ]
-        stream = RequestStream(request, detoks, [0] * n, final_only, sink=sink)
+        stream = RequestStream(request, detoks, [0] * n, final_only, sink=sink, batch_id=batch_id)
         self.scheduler.add_request(request)  # may refuse it: then no stream is left behind
         self.streams[request.req_id] = stream
         self._wakeup.set()

@@ -217,9 +217,15 @@ class ControlPlane:
     # -- admission ----------------------------------------------------------------------------
 
     async def admit(
-        self, req_id: str, prompt_ids: list[int], sampling: SamplingParams, cache_salt: str | None
+        self,
+        req_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: str | None,
+        batch_id: str = "",
     ) -> EngineLoop:
-        """Rejects what can never be served, then places the request on a worker."""
+        """Rejects what can never be served, then places the request on a worker. A request of
+        a batch (`batch_id`) whose other requests are already admitted is queued with them."""
         info = self.info
         assert info is not None
         n = len(prompt_ids)
@@ -265,7 +271,7 @@ class ControlPlane:
         waiting = sum(lp.scheduler.num_waiting for lp in self.loops)
         # A beam search holds up to beam_width sequences (and counts them while they wait).
         limit = self.waiting_limit((n + sampling.max_tokens) * max(1, sampling.beam_width))
-        if waiting >= limit:
+        if waiting >= limit and not self._batch_admitted(batch_id):
             raise AdmissionError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the waiting queue is full ({waiting} requests, limit {limit}"
@@ -273,6 +279,13 @@ class ControlPlane:
                 "--max-waiting sets it); retry later",
             )
         return loop
+
+    def _batch_admitted(self, batch_id: str) -> bool:
+        """Whether another request of this batch is running or waiting: the batch passed the
+        waiting queue's limit at its first request."""
+        return bool(batch_id) and any(
+            s.batch_id == batch_id for lp in self.loops for s in lp.streams.values()
+        )
 
     def _within_queue_delay(self, loop: EngineLoop, prompt_tokens: int, seats: int) -> EngineLoop:
         """The placed worker, or the healthy one where the request would wait least, if it

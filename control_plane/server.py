@@ -77,11 +77,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             )
         sampling = wire.sampling_from_proto(request.sampling, default_max_tokens)
         salt = request.cache_salt or None
-        loop = await cp.admit(req_id, prompt_ids, sampling, salt)
+        loop = await cp.admit(req_id, prompt_ids, sampling, salt, request.batch_id)
         stream = loop.add_request(
             Request(req_id, prompt_ids, sampling, time.monotonic(), cache_salt=salt),
             final_only=request.output_kind == pb.OUTPUT_KIND_FINAL_ONLY,
             sink=sink,
+            batch_id=request.batch_id,
         )
         log.info(
             "request_admitted",

@@ -105,10 +105,14 @@ def expand_choices(
 ) -> list[Choice]:
     """The Generate call for one prompt's n choices. The request id is `request_id` for a lone
     prompt, `request_id-<first choice index>` in a batch, so every upstream request is unique
-    and traceable. With a seed, the control plane gives each of the n its own seed stream."""
+    and traceable; a batch's requests carry its id as `batch_id` (they count once against the
+    waiting queue's limit). With a seed, the control plane gives each of the n its own seed
+    stream."""
     req = pb.GenerateRequest()
     req.CopyFrom(base)
     req.request_id = request_id if single else f"{request_id}-{first_index}"
+    if not single:
+        req.batch_id = request_id
     if n > 1:
         req.sampling.n = n
     return [Choice(first_index, n, req)]

@@ -134,6 +134,49 @@ def test_default_queue_bound_answers_429_with_retry_after(
         gw.stop()
 
 
+def waiting(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith("pagedserve:num_requests_waiting"))
+    return float(line.split()[-1])
+
+
+def test_a_batch_the_queue_bound_would_split_is_queued_whole(
+    spawn: Callable[..., ServerProcess], micro_llama: Path
+) -> None:
+    """The queue bound of the test above (one request may wait) counts a batch of prompts
+    once: four prompts that each need the whole pool are all served, one after another, where
+    they would be refused every time if each counted. A lone request beside a waiting batch is
+    still told to come back."""
+    stack = start_stack(spawn, micro_llama, num_gpu_blocks=8, num_cpu_blocks=8)
+    gw = gateway_process(stack.address)
+    try:
+        body = {"max_tokens": 100, "ignore_eos": True, "temperature": 0}
+        prompts = [[5] * 20, [6] * 20, [7] * 20, [8] * 20]
+        with ThreadPoolExecutor(2) as pool:
+            batch = pool.submit(
+                httpx.post,
+                f"{gw.url}/v1/completions",
+                json={**body, "prompt": prompts},
+                timeout=120,
+            )
+            while waiting(gw.url) < 2:  # the batch is admitted: one part runs, three wait
+                assert not batch.done(), batch.result().text
+                time.sleep(0.005)
+            lone = httpx.post(
+                f"{gw.url}/v1/completions", json={**body, "prompt": [9] * 20}, timeout=120
+            )
+            r = batch.result(timeout=120)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == [0, 1, 2, 3]
+        assert all(c["finish_reason"] == "length" for c in choices)
+        assert r.json()["usage"]["completion_tokens"] == 4 * 100
+        assert lone.status_code == 429, lone.text
+        assert "waiting queue is full" in lone.json()["error"]["message"]
+    finally:
+        gw.stop()
+
+
 def test_max_waiting_zero_is_refused_at_start() -> None:
     """0 would refuse every request (each waits for its first step): said at once."""
     import subprocess

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/v1/control_plane.proto\x12\rpagedserve.v1\x1a\x16protos/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x8c\x01\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\xd4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.ChatPromptH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12.\n\x0boutput_kind\x18\t \x01(\x0e\x32\x19.pagedserve.v1.OutputKindB\x08\n\x06promptB\x15\n\x13_add_special_tokens\"\xa6\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x01\x12\x1a\n\rstop_token_id\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0esequence_score\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x35\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x0c\n\x04last\x18\x15 \x01(\x08\x42\x10\n\x0e_stop_token_idB\x11\n\x0f_sequence_score\"b\n\x13GenerateManyRequest\x12\x32\n\x08generate\x18\x01 \x01(\x0b\x32\x1e.pagedserve.v1.GenerateRequestH\x00\x12\x0f\n\x05\x61\x62ort\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"B\n\rGenerateError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"x\n\x14GenerateManyResponse\x12\x32\n\tresponses\x18\x01 \x03(\x0b\x32\x1f.pagedserve.v1.GenerateResponse\x12,\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1c.pagedserve.v1.GenerateError\"\xb8\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.pagedserve.v1.ChatPromptH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"X\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.ModelInfo\"\x0e\n\x0cStatsRequest\"\xb7\x06\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x1b\n\x13num_free_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\t \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12!\n\x19num_recompute_preemptions\x18\x0b \x01(\x04\x12\x1c\n\x14num_swap_preemptions\x18\x0c \x01(\x04\x12!\n\x19num_chunked_prefill_steps\x18\r \x01(\x04\x12\x11\n\tnum_steps\x18\x0e \x01(\x04\x12\"\n\x1anum_prompt_tokens_computed\x18\x0f \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x10 \x01(\x04\x12\x0f\n\x07healthy\x18\x11 \x01(\x08\x12\r\n\x05\x65poch\x18\x12 \x01(\x04\x12\x1e\n\x16num_blocks_swapped_out\x18\x13 \x01(\x04\x12\x1d\n\x15num_blocks_swapped_in\x18\x14 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x15 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x16 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x17 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x18 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x19 \x01(\x04\x12\x1a\n\x12num_gpu_block_refs\x18\x1a \x01(\x04\x12\x11\n\tnum_forks\x18\x1b \x01(\x04\x12\x19\n\x11num_copied_blocks\x18\x1c \x01(\x04\x12\r\n\x05\x64type\x18\x1d \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1e \x01(\t\x12\x1c\n\x14peak_used_gpu_blocks\x18\x1f \x01(\r\"\xf6\x03\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1d\n\x15num_requests_finished\x18\x06 \x01(\x04\x12\x1c\n\x14num_requests_aborted\x18\x07 \x01(\x04\x12!\n\x19num_chunked_prefill_steps\x18\x08 \x01(\x04\x12+\n\x07workers\x18\t \x03(\x0b\x32\x1a.pagedserve.v1.WorkerStats\x12\x13\n\x0bnum_pending\x18\n \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\r \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0e \x01(\x04\x12\x1e\n\x16prefix_index_available\x18\x0f \x01(\x08\x12\"\n\x1anum_routed_with_prefix_hit\x18\x10 \x01(\x04\x12\x12\n\nnum_routed\x18\x11 \x01(\x04*?\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x01\x32\xb5\x04\n\x0c\x43ontrolPlane\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12[\n\x0cGenerateMany\x12\".pagedserve.v1.GenerateManyRequest\x1a#.pagedserve.v1.GenerateManyResponse(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponse\x12\x42\n\x05Stats\x12\x1b.pagedserve.v1.StatsRequest\x1a\x1c.pagedserve.v1.StatsResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/v1/control_plane.proto\x12\rpagedserve.v1\x1a\x16protos/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x8c\x01\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\xe6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.ChatPromptH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12.\n\x0boutput_kind\x18\t \x01(\x0e\x32\x19.pagedserve.v1.OutputKind\x12\x10\n\x08\x62\x61tch_id\x18\n \x01(\tB\x08\n\x06promptB\x15\n\x13_add_special_tokens\"\xa6\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x01\x12\x1a\n\rstop_token_id\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0esequence_score\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x35\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x0c\n\x04last\x18\x15 \x01(\x08\x42\x10\n\x0e_stop_token_idB\x11\n\x0f_sequence_score\"b\n\x13GenerateManyRequest\x12\x32\n\x08generate\x18\x01 \x01(\x0b\x32\x1e.pagedserve.v1.GenerateRequestH\x00\x12\x0f\n\x05\x61\x62ort\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"B\n\rGenerateError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"x\n\x14GenerateManyResponse\x12\x32\n\tresponses\x18\x01 \x03(\x0b\x32\x1f.pagedserve.v1.GenerateResponse\x12,\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1c.pagedserve.v1.GenerateError\"\xb8\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.pagedserve.v1.ChatPromptH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"X\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.ModelInfo\"\x0e\n\x0cStatsRequest\"\xb7\x06\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x1b\n\x13num_free_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\t \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12!\n\x19num_recompute_preemptions\x18\x0b \x01(\x04\x12\x1c\n\x14num_swap_preemptions\x18\x0c \x01(\x04\x12!\n\x19num_chunked_prefill_steps\x18\r \x01(\x04\x12\x11\n\tnum_steps\x18\x0e \x01(\x04\x12\"\n\x1anum_prompt_tokens_computed\x18\x0f \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x10 \x01(\x04\x12\x0f\n\x07healthy\x18\x11 \x01(\x08\x12\r\n\x05\x65poch\x18\x12 \x01(\x04\x12\x1e\n\x16num_blocks_swapped_out\x18\x13 \x01(\x04\x12\x1d\n\x15num_blocks_swapped_in\x18\x14 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x15 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x16 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x17 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x18 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x19 \x01(\x04\x12\x1a\n\x12num_gpu_block_refs\x18\x1a \x01(\x04\x12\x11\n\tnum_forks\x18\x1b \x01(\x04\x12\x19\n\x11num_copied_blocks\x18\x1c \x01(\x04\x12\r\n\x05\x64type\x18\x1d \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1e \x01(\t\x12\x1c\n\x14peak_used_gpu_blocks\x18\x1f \x01(\r\"\xf6\x03\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1d\n\x15num_requests_finished\x18\x06 \x01(\x04\x12\x1c\n\x14num_requests_aborted\x18\x07 \x01(\x04\x12!\n\x19num_chunked_prefill_steps\x18\x08 \x01(\x04\x12+\n\x07workers\x18\t \x03(\x0b\x32\x1a.pagedserve.v1.WorkerStats\x12\x13\n\x0bnum_pending\x18\n \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\r \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0e \x01(\x04\x12\x1e\n\x16prefix_index_available\x18\x0f \x01(\x08\x12\"\n\x1anum_routed_with_prefix_hit\x18\x10 \x01(\x04\x12\x12\n\nnum_routed\x18\x11 \x01(\x04*?\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x01\x32\xb5\x04\n\x0c\x43ontrolPlane\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12[\n\x0cGenerateMany\x12\".pagedserve.v1.GenerateManyRequest\x1a#.pagedserve.v1.GenerateManyResponse(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponse\x12\x42\n\x05Stats\x12\x1b.pagedserve.v1.StatsRequest\x1a\x1c.pagedserve.v1.StatsResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.v1.control_plane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTKIND']._serialized_start=3355
-  _globals['_OUTPUTKIND']._serialized_end=3418
+  _globals['_OUTPUTKIND']._serialized_start=3373
+  _globals['_OUTPUTKIND']._serialized_end=3436
   _globals['_TOKENIDS']._serialized_start=72
   _globals['_TOKENIDS']._serialized_end=95
   _globals['_CHATMESSAGE']._serialized_start=97
@@ -41,39 +41,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATPROMPT']._serialized_start=205
   _globals['_CHATPROMPT']._serialized_end=345
   _globals['_GENERATEREQUEST']._serialized_start=348
-  _globals['_GENERATEREQUEST']._serialized_end=688
-  _globals['_GENERATERESPONSE']._serialized_start=691
-  _globals['_GENERATERESPONSE']._serialized_end=1113
-  _globals['_GENERATEMANYREQUEST']._serialized_start=1115
-  _globals['_GENERATEMANYREQUEST']._serialized_end=1213
-  _globals['_GENERATEERROR']._serialized_start=1215
-  _globals['_GENERATEERROR']._serialized_end=1281
-  _globals['_GENERATEMANYRESPONSE']._serialized_start=1283
-  _globals['_GENERATEMANYRESPONSE']._serialized_end=1403
-  _globals['_TOKENIZEREQUEST']._serialized_start=1406
-  _globals['_TOKENIZEREQUEST']._serialized_end=1590
-  _globals['_TOKENIZERESPONSE']._serialized_start=1592
-  _globals['_TOKENIZERESPONSE']._serialized_end=1672
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1674
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1727
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1729
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1763
-  _globals['_ABORTREQUEST']._serialized_start=1765
-  _globals['_ABORTREQUEST']._serialized_end=1799
-  _globals['_ABORTRESPONSE']._serialized_start=1801
-  _globals['_ABORTRESPONSE']._serialized_end=1831
-  _globals['_LISTMODELSREQUEST']._serialized_start=1833
-  _globals['_LISTMODELSREQUEST']._serialized_end=1852
-  _globals['_MODELINFO']._serialized_start=1854
-  _globals['_MODELINFO']._serialized_end=1942
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1944
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2006
-  _globals['_STATSREQUEST']._serialized_start=2008
-  _globals['_STATSREQUEST']._serialized_end=2022
-  _globals['_WORKERSTATS']._serialized_start=2025
-  _globals['_WORKERSTATS']._serialized_end=2848
-  _globals['_STATSRESPONSE']._serialized_start=2851
-  _globals['_STATSRESPONSE']._serialized_end=3353
-  _globals['_CONTROLPLANE']._serialized_start=3421
-  _globals['_CONTROLPLANE']._serialized_end=3986
+  _globals['_GENERATEREQUEST']._serialized_end=706
+  _globals['_GENERATERESPONSE']._serialized_start=709
+  _globals['_GENERATERESPONSE']._serialized_end=1131
+  _globals['_GENERATEMANYREQUEST']._serialized_start=1133
+  _globals['_GENERATEMANYREQUEST']._serialized_end=1231
+  _globals['_GENERATEERROR']._serialized_start=1233
+  _globals['_GENERATEERROR']._serialized_end=1299
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=1301
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=1421
+  _globals['_TOKENIZEREQUEST']._serialized_start=1424
+  _globals['_TOKENIZEREQUEST']._serialized_end=1608
+  _globals['_TOKENIZERESPONSE']._serialized_start=1610
+  _globals['_TOKENIZERESPONSE']._serialized_end=1690
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1692
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1745
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1747
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1781
+  _globals['_ABORTREQUEST']._serialized_start=1783
+  _globals['_ABORTREQUEST']._serialized_end=1817
+  _globals['_ABORTRESPONSE']._serialized_start=1819
+  _globals['_ABORTRESPONSE']._serialized_end=1849
+  _globals['_LISTMODELSREQUEST']._serialized_start=1851
+  _globals['_LISTMODELSREQUEST']._serialized_end=1870
+  _globals['_MODELINFO']._serialized_start=1872
+  _globals['_MODELINFO']._serialized_end=1960
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1962
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2024
+  _globals['_STATSREQUEST']._serialized_start=2026
+  _globals['_STATSREQUEST']._serialized_end=2040
+  _globals['_WORKERSTATS']._serialized_start=2043
+  _globals['_WORKERSTATS']._serialized_end=2866
+  _globals['_STATSRESPONSE']._serialized_start=2869
+  _globals['_STATSRESPONSE']._serialized_end=3371
+  _globals['_CONTROLPLANE']._serialized_start=3439
+  _globals['_CONTROLPLANE']._serialized_end=4004
 # @@protoc_insertion_point(module_scope)
