@@ -153,7 +153,7 @@ class GenerateStream:
 
     async def open(self) -> None:
         """Sends the request; raises the status of a control plane that stays unreachable, or
-        INVALID_ARGUMENT for a request id in use."""
+        ALREADY_EXISTS (409) for a request id in use."""
         await self._upstream.connected()
         if self._cancelled:
             return
@@ -211,7 +211,7 @@ class _ManyCall:
         req_id = request.request_id
         if req_id in self._streams:
             why = f"request id {req_id!r} is already in use by a request in progress"
-            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, why)
+            raise rpc_error(grpc.StatusCode.ALREADY_EXISTS, why)
         self._streams[req_id] = stream
         self._outbox.put_nowait(pb.GenerateManyRequest(generate=request))
 

@@ -257,8 +257,10 @@ def test_a_request_id_in_use_is_refused_and_the_running_one_goes_on(gs: GatewayS
             again = http.post(
                 f"{gs.url}/v1/completions", json={**body, "stream": False}, headers=headers
             )
-            assert again.status_code == 400, again.text
-            assert "already in use" in again.json()["error"]["message"]
+            assert again.status_code == 409, again.text
+            error = again.json()["error"]
+            assert "already in use" in error["message"]
+            assert error["code"] == "duplicate_request_id"
             rest = list(lines)
     assert rest[-1] == "data: [DONE]"
     text_events = [json.loads(x[6:]) for x in rest[:-1]]
