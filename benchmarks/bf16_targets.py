@@ -51,12 +51,12 @@ WORKLOADS = [
 ]
 FLOAT32_WORKLOADS = [
     (
-        "tiny streamed, float32",
+        "tiny streamed float32",
         "serve_compare",
         ["--preset", "tiny", "--workload", "w64"],
         "float32",
     ),
-    ("small offline, float32", "offline_throughput", ["--preset", "small"], "float32"),
+    ("small offline float32", "offline_throughput", ["--preset", "small"], "float32"),
 ]
 
 

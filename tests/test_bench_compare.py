@@ -47,4 +47,6 @@ def test_bf16_targets_refuses_what_it_cannot_run() -> None:
     with pytest.raises(SystemExit):  # a variant is environment variables only
         bf16_targets.main(["--vllm-venv", "x", "--variant", "--num-threads 1"])
     with pytest.raises(SystemExit):  # float32 rows only with --float32
-        bf16_targets.main(["--vllm-venv", "x", "--only", "tiny streamed, float32"])
+        bf16_targets.main(["--vllm-venv", "x", "--only", "tiny streamed float32"])
+    with pytest.raises(SystemExit):  # a name it does not know
+        bf16_targets.main(["--vllm-venv", "x", "--float32", "--only", "tiny streamed, float32"])
