@@ -7,11 +7,11 @@ the model's thread never waits for a helper that lost its core: it takes the hel
 and computes it itself (docs/architecture.md, "The CPU team"). The worker starts the team on a
 CPU when its threads are bound one to a core and there are at most MAX_THREADS of them, for a
 float32 model, a bf16 one whose products are widened to float32 (a CPU without bf16 products),
-or a bf16 one where the CPU has AVX512-BF16 and no AMX (`wanted`); with AMX, where
-`PAGEDSERVE_CPU_TEAM_AMX=1` asks for the team's own tile products. The projections then run
+or a bf16 one where the CPU has AVX512-BF16 (`wanted`): with AMX, the team's products run on
+its tiles (`PAGEDSERVE_CPU_TEAM_AMX=0` keeps oneDNN's there). The projections then run
 `gemm_f32` / `gemm_bf16` on the team, the attention kernels run their items on it, and torch's
-own ops run on the model's thread alone. Anywhere else (tests, in-process engines, AMX by
-default) nothing changes: projections stay on oneDNN.
+own ops run on the model's thread alone. Anywhere else (tests, in-process engines) nothing
+changes: projections stay on oneDNN.
 
     start(helper_cpus)        helpers bound to those CPUs (-1: unbound); once per process
     active()                  whether the team runs
@@ -44,8 +44,8 @@ from gpu_worker import cpu_isa, cpu_kernels
 
 SOURCE = Path(__file__).with_name("csrc") / "team_cpu.c"
 SWITCH = "PAGEDSERVE_CPU_TEAM"
-# Where the CPU has AMX, bf16 products stay on oneDNN unless this is "1": the team's own tile
-# products then run them (csrc/amx_tiles.h).
+# Where the CPU has AMX, the team's bf16 products run on its tiles (csrc/amx_tiles.h); "0"
+# keeps them on oneDNN's, on an OpenMP team ("model": a software model of the tiles, tests).
 TILES_SWITCH = "PAGEDSERVE_CPU_TEAM_AMX"
 TILE_MODES = {"off": 0, "amx": 1, "model": 2}
 REFUSED = 2**64 - 1  # what a product the library cannot compute returns
@@ -112,9 +112,10 @@ def wanted(
 ) -> bool:
     """Whether a worker with these settings runs its projections on the team: float32,
     bfloat16 whose products are widened to float32 (`widened`: a CPU without bf16 products),
-    bfloat16 where the CPU has AVX512-BF16 but no AMX (oneDNN's AMX tiles outrun these
-    products several times over), or bfloat16 on the tiles `tiles_wanted()` names (which this
-    then turns on for the team's products, where the CPU and the OS allow them)."""
+    bfloat16 where the CPU has AVX512-BF16 but no AMX, or bfloat16 on the tiles
+    `tiles_wanted()` names (which this then turns on for the team's products, where the CPU
+    and the OS allow them; on AMX without them, oneDNN's tiles outrun the team's `vdpbf16ps`
+    products several times over)."""
     if os.environ.get(SWITCH, "1") == "0" or device != "cpu" or not bound:
         return False
     if not 2 <= threads <= MAX_THREADS:
@@ -132,13 +133,20 @@ def wanted(
 
 
 def tiles_wanted() -> str | None:
-    """The tiles a bf16 worker asks for (`TILES_SWITCH`): "amx" where it is "1" on a CPU with
-    AMX (the team's tile products rather than oneDNN's on an OpenMP team), "model" where it is
-    "model" (the software model of the tiles, on any CPU with AVX512-BF16: tests), else None."""
+    """The tiles a bf16 worker's team takes its products on (`TILES_SWITCH`): "amx" on a CPU
+    with AMX unless the switch is "0" (oneDNN's tile products on an OpenMP team then), "model"
+    where it is "model" (the software model of the tiles, on any CPU with AVX512-BF16:
+    tests), else None."""
     switch = os.environ.get(TILES_SWITCH)
     if switch == "model":
         return "model"
-    return "amx" if switch == "1" and cpu_isa.bf16_isa() == "amx_bf16" else None
+    return "amx" if switch != "0" and cpu_isa.bf16_isa() == "amx_bf16" else None
+
+
+def tiles_asked() -> str | None:
+    """The tiles the switch names outright ("1" on a CPU with AMX, "model"), which a worker
+    that runs no team says it leaves unused."""
+    return tiles_wanted() if os.environ.get(TILES_SWITCH) in ("1", "model") else None
 
 
 def set_tiles(mode: str, lib: ctypes.CDLL | None = None) -> str:

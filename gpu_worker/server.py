@@ -159,7 +159,7 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
         if helpers:
             torch.set_num_threads(1)
         log.info("cpu_team", helpers=helpers, threads=team, tiles=cpu_team.tiles())
-    elif dtype == torch.bfloat16 and (asked := cpu_team.tiles_wanted()):
+    elif dtype == torch.bfloat16 and (asked := cpu_team.tiles_asked()):
         # No team (threads not bound, more than MAX_THREADS, tensor parallel) or no tiles
         # (Linux refused AMX's state, a build without the intrinsics): oneDNN keeps them.
         log.warning("cpu_team_tiles_unused", asked=asked, threads=team, bound=affinity.is_bound())

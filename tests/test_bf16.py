@@ -148,8 +148,7 @@ def test_bf16_on_the_cpu_team_close_to_transformers_bf16(
     env: dict[str, str | None] = {"OMP_NUM_THREADS": None}
     if products.endswith("widened"):  # float32 panels of the bf16 weights (no bf16 products)
         env["PAGEDSERVE_BF16_WIDEN"] = "1"
-    if products.endswith(("-amx", "-model")):
-        env[cpu_team.TILES_SWITCH] = "1" if products.endswith("-amx") else "model"
+    env[cpu_team.TILES_SWITCH] = "model" if products.endswith("-model") else None  # AMX: tiles
     stack = start_stack(spawn, model_dir, dtype="bfloat16", worker_env=env)
     assert f'"projections": "{products}"' in stack.worker.output()
     check_logprobs_close(ours_greedy_top(stack, prompts, 16), theirs, f"{arch} {products}/hf")

@@ -189,6 +189,33 @@ print(json.dumps({"worst": worst, "taken_back": cpu_team.taken_back()}))
 """
 
 
+@pytest.mark.parametrize(
+    ("isa", "switch", "wanted", "asked"),
+    [
+        ("amx_bf16", None, "amx", None),  # AMX: the team's tiles by default
+        ("amx_bf16", "1", "amx", "amx"),
+        ("amx_bf16", "0", None, None),  # oneDNN's tiles on an OpenMP team
+        ("amx_bf16", "model", "model", "model"),
+        ("avx512_bf16", None, None, None),  # the team's vdpbf16ps block
+        ("avx512_bf16", "1", None, None),
+        ("avx512_bf16", "model", "model", "model"),
+        ("none", None, None, None),
+    ],
+)
+def test_where_a_bf16_workers_team_takes_its_products(
+    isa: str, switch: str | None, wanted: str | None, asked: str | None, monkeypatch
+) -> None:
+    from gpu_worker import cpu_isa, cpu_team
+
+    monkeypatch.setattr(cpu_isa, "bf16_isa", lambda: isa)
+    if switch is None:
+        monkeypatch.delenv(cpu_team.TILES_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(cpu_team.TILES_SWITCH, switch)
+    assert cpu_team.tiles_wanted() == wanted
+    assert cpu_team.tiles_asked() == asked
+
+
 def test_inputs_outlive_a_helper_that_lost_its_item() -> None:
     """The caller takes a stalled helper's item back and returns; the helper then computes it
     from the product's inputs (a late result, dropped): the panels, rows and bias, whose last
