@@ -9,7 +9,8 @@ the four workloads the targets name (each ≥ 1.1× vLLM):
 each run as its own benchmark process (`--repeat` offline, `--rounds` streamed; the median),
 one after another, with the machine's CPU and ISA flags beside the table. `--variant "NAME=VALUE
 ..."` also measures pagedserve with those environment variables (e.g.
-`PAGEDSERVE_CPU_TEAM_AMX=1`, the CPU team's AMX tiles): in the same rounds as the others
+`PAGEDSERVE_CPU_TEAM_AMX=0` on an AMX CPU, oneDNN's tile products rather than the CPU team's
+own): in the same rounds as the others
 streamed, in a second offline run beside vLLM again offline. `--float32` adds the float32
 comparisons the issue keeps from getting worse (tiny streamed, `small` offline; float32 on both
 servers), reported without a target.
