@@ -144,14 +144,14 @@ def test_a_batch_the_queue_bound_would_split_is_queued_whole(
     spawn: Callable[..., ServerProcess], micro_llama: Path
 ) -> None:
     """The queue bound of the test above (one request may wait) counts a batch of prompts
-    once: four prompts that each need the whole pool are all served, one after another, where
+    once: eight prompts that each need the whole pool are all served, one after another, where
     they would be refused every time if each counted. A lone request beside a waiting batch is
     still told to come back."""
     stack = start_stack(spawn, micro_llama, num_gpu_blocks=8, num_cpu_blocks=8)
     gw = gateway_process(stack.address)
     try:
         body = {"max_tokens": 100, "ignore_eos": True, "temperature": 0}
-        prompts = [[5] * 20, [6] * 20, [7] * 20, [8] * 20]
+        prompts = [[5 + i] * 20 for i in range(8)]
         with ThreadPoolExecutor(2) as pool:
             batch = pool.submit(
                 httpx.post,
@@ -159,7 +159,7 @@ def test_a_batch_the_queue_bound_would_split_is_queued_whole(
                 json={**body, "prompt": prompts},
                 timeout=120,
             )
-            while waiting(gw.url) < 2:  # the batch is admitted: one part runs, three wait
+            while waiting(gw.url) < 6:  # the batch is admitted: one part runs, seven wait
                 assert not batch.done(), batch.result().text
                 time.sleep(0.005)
             lone = httpx.post(
@@ -168,9 +168,9 @@ def test_a_batch_the_queue_bound_would_split_is_queued_whole(
             r = batch.result(timeout=120)
         assert r.status_code == 200, r.text
         choices = r.json()["choices"]
-        assert [c["index"] for c in choices] == [0, 1, 2, 3]
+        assert [c["index"] for c in choices] == list(range(8))
         assert all(c["finish_reason"] == "length" for c in choices)
-        assert r.json()["usage"]["completion_tokens"] == 4 * 100
+        assert r.json()["usage"]["completion_tokens"] == 8 * 100
         assert lone.status_code == 429, lone.text
         assert "waiting queue is full" in lone.json()["error"]["message"]
     finally:
