@@ -118,8 +118,10 @@ worst, differ, shapes = 0.0, 0, 0
 passes = 0
 while passes < 1 or (STALL and not cpu_team.taken_back() and passes < 20):
     for m in (1, 7, 16, 17, 32, 33, 64, 130):
-        for k in (32, 96, 48):  # 48: not whole tiles of k, the vdpbf16ps block's
-            for n in (1, 31, 33, 100):
+        # 48: not whole tiles of k, the vdpbf16ps block's; 320: ten steps of k, the last
+        # four fetching the next panel's
+        for k in (32, 96, 48, 320):
+            for n in (1, 31, 33, 100, 300):
                 for with_bias in (False, True):
                     w = torch.randn(n, k, generator=gen).bfloat16()
                     x = torch.randn(m, k, generator=gen).bfloat16()
@@ -162,7 +164,7 @@ def test_bf16_products_on_tiles(mode: str, stall_us: int) -> None:
     cpu_team.set_tiles("off")
     script = TILES.replace("CALLER", str(CPUS[0])).replace("HELPERS", repr([CPUS[-1]]))
     got = _child(script.replace("STALL", str(stall_us)).replace("MODE", mode))
-    assert got["shapes"] == 8 * 3 * 4 * 2 * got["passes"]
+    assert got["shapes"] == 8 * 4 * 5 * 2 * got["passes"]
     assert got["faults"] == 0
     assert got["worst"] < 2**-7  # one bf16 rounding of the output
     assert got["differ"] == 0
