@@ -8,6 +8,7 @@ The control plane owns every decision; this module only follows the plan, in the
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,11 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     matcher: Matcher | None = None  # structured output: where the output stands in its grammar
+    # A beam row's last candidates that its grammar refused (masked to -inf: fewer tokens
+    # were allowed than the search keeps). A beam forked with one is scored out of the search,
+    # and its matcher's error (`outside_grammar`) is the beam's, not its request's.
+    refused: frozenset[int] = frozenset()
+    outside_grammar: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -164,12 +170,17 @@ class ModelRunner:
             failed = result.failed
             for req_id, tok in result.sampled.items():
                 st = self.requests[req_id]
-                if st.sampling.beam_width:  # a beam's token comes with a later fork
-                    continue
                 # A matcher in error (its parser's limits reached while its mask was made)
-                # allowed only the stop tokens: the token is no answer, the request fails.
-                if st.matcher is not None and (why := st.matcher.error()):
+                # allowed only the stop tokens: the token, or a beam's candidates, are no
+                # answer, and the request fails.
+                if (
+                    st.matcher is not None
+                    and not st.outside_grammar
+                    and (why := st.matcher.error())
+                ):
                     failed[req_id] = why
+                    continue
+                if st.sampling.beam_width:  # a beam's token comes with a later fork
                     continue
                 st.token_ids.append(tok.token_id)
                 # A terminated matcher's request has ended (the control plane learns it from
@@ -211,11 +222,11 @@ class ModelRunner:
         sources = {f.src_req_id: self._state(f.src_req_id) for f in plan.beam_forks}
         for f in plan.beam_forks:
             src = sources[f.src_req_id]
-            matcher = None
+            matcher, outside = None, src.outside_grammar
             if src.matcher is not None:  # each beam advances its own copy past its token
                 matcher = src.matcher.fork()
-                if not matcher.terminated:
-                    matcher.accept(f.token_id)
+                accepted = matcher.terminated or matcher.accept(f.token_id)
+                outside = outside or (not accepted and f.token_id in src.refused)
             self.requests[f.req_id] = RequestState(
                 req_id=f.req_id,
                 token_ids=[*src.token_ids, f.token_id],
@@ -224,6 +235,7 @@ class ModelRunner:
                 block_ids=list(src.block_ids),
                 num_computed_tokens=src.num_computed_tokens,
                 matcher=matcher,
+                outside_grammar=outside,
             )
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, SampledToken]:
@@ -267,6 +279,10 @@ class ModelRunner:
         for s, v, i in zip(states, values, ids, strict=True):
             n = beam_candidates(s.sampling.beam_width, 0 if s.sampling.ignore_eos else num_eos)
             out[s.req_id] = SampledToken(i[0], v[0], i[:n], v[:n])
+            if s.matcher is not None:
+                s.refused = frozenset(
+                    t for t, x in zip(i[:n], v[:n], strict=True) if x == -math.inf
+                )
         return out
 
     def _prompt_logprobs(

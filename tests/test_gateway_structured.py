@@ -818,6 +818,11 @@ def test_a_grammar_past_the_parsers_limits_fails_its_request_only(http: httpx.Cl
     assert s.status_code in (200, 400), lines
     assert any("structured output failed" in line for line in lines), lines
     assert not any('"finish_reason":"stop"' in line.replace(" ", "") for line in lines), lines
+    # Beam search over the same choices: its beams' candidates were EOS alone.
+    beams = {**body, "use_beam_search": True, "n": 2}
+    r = http.post(CMPL, json=beams)
+    assert r.status_code == 400, r.text
+    assert "structured output failed" in r.json()["error"]["message"]
 
 
 def test_constrained_chat_streams_as_content(http: httpx.Client) -> None:
