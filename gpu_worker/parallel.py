@@ -14,6 +14,9 @@ the model and of the KV pool, Megatron-style.
 
 Collectives are gloo on CPU (NCCL on CUDA) with a time-out; plans travel over pipes, which
 have none, so an idle group waits for ever and a group whose rank 0 dies sees end-of-file.
+The ranks are always on one host, so everything the group listens on (rank 0's
+torch.distributed store, gloo's and NCCL's sockets) listens on loopback only, whatever the
+worker's --host: none of it asks who connects.
 A rank that dies takes the group down: rank 0 exits when any other rank exits (`Followers`
 watches them), and the others exit at end-of-file or when a collective fails.
 """
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import struct
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +48,32 @@ COLLECTIVE_TIMEOUT_S = 60.0
 # Frames on a follower's stdin: kind (1 byte), payload length (4 bytes), payload.
 _PLAN, _RESET, _STOP = 1, 2, 3
 _HEADER = struct.Struct("<BI")
+
+
+LOOPBACK = "127.0.0.1"
+_IFF_LOOPBACK = 0x8  # linux/if.h
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name: "lo" on Linux, "lo0" on macOS."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        try:
+            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & _IFF_LOOPBACK:
+            return name
+    return next((name for name in names if name.startswith("lo")), "lo")
+
+
+def _listen(port: int) -> int:
+    """A socket listening on LOOPBACK:port, handed over as its file descriptor."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port))
+    sock.listen(128)
+    return sock.detach()
 
 
 class TensorParallelError(ValueError):
@@ -150,15 +181,28 @@ class TPGroup:
 
     @classmethod
     def join(cls, shard: Shard, port: int, device: str = "cpu") -> TPGroup:
+        """Joins the group whose store rank 0 serves on 127.0.0.1:`port`."""
         # On CUDA the activations go over NCCL; the few host tensors (token ids, the pool
-        # size) over gloo.
+        # size) over gloo. Both pick a non-loopback interface by default (the host name's
+        # address): named here, their sockets stay on loopback.
+        loopback = loopback_interface()
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+        os.environ["NCCL_SOCKET_IFNAME"] = loopback
         backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=shard.rank,
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.TCPStore(
+            LOOPBACK,
+            port,
             world_size=shard.size,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            is_master=shard.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+            # The store's own listener binds every interface; this one binds loopback, and
+            # the store takes it over (detach: the fd is the store's to close).
+            master_listen_fd=_listen(port) if shard.rank == 0 else None,
+        )
+        dist.init_process_group(
+            backend, store=store, rank=shard.rank, world_size=shard.size, timeout=timeout
         )
         return cls(shard)
 

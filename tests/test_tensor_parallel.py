@@ -5,6 +5,8 @@ is refused at start."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import random
 import subprocess
 import sys
@@ -162,3 +164,68 @@ def test_a_dead_rank_takes_its_group_down_and_requests_move(
     assert outs == expected
     group.proc.wait(timeout=30)  # rank 0 left with its rank 1
     assert group.proc.returncode != 0
+
+
+def _listening(pids: set[int]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The local address of every TCP socket that one of `pids` holds in LISTEN state."""
+    inodes: set[str] = set()
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
+        for fd in fds.iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(local.split(":")[0])
+            # The kernel prints each 32-bit word of the address in host (little-endian) order.
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append(ipaddress.ip_address(words))
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = {pid}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_a_tp_group_listens_on_loopback_only(
+    micro_llama: Path, spawn: Callable[..., ServerProcess]
+) -> None:
+    """Rank 0's torch.distributed store and the ranks' collective sockets take connections
+    from anyone who reaches them, unauthenticated: they must not listen beyond loopback (the
+    ranks all run on this host), as the worker itself does not (it binds 127.0.0.1)."""
+    stack = start_stack(spawn, micro_llama, dtype="float32", worker_args=TP)
+    assert greedy_to_length(stack.stub, [5, 6, 7, 8], 4)  # the group has run collectives
+    pids = _descendants(stack.workers[0].proc.pid)
+    assert len(pids) >= 2, pids  # rank 0 and rank 1
+    addresses = _listening(pids)
+    assert len(addresses) >= 2, addresses  # the worker's gRPC port and the store at least
+    exposed = [a for a in addresses if not (a.is_loopback or _mapped_loopback(a))]
+    assert not exposed, f"listening beyond loopback: {exposed} (all: {addresses})"
+
+
+def _mapped_loopback(a: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(a, "ipv4_mapped", None)
+    return mapped is not None and mapped.is_loopback
