@@ -90,6 +90,24 @@ def _grpc_security(a: argparse.Namespace, control_plane: str | None = None) -> A
         raise SystemExit(f"pagedserve: {exc}") from None
 
 
+def _token_source(a: argparse.Namespace, control_plane: str) -> str:
+    """Where the gRPC token a client of `control_plane` sends came from, or where it was looked
+    for: said when the server refuses the call."""
+    from pagedserve.grpc_security import TOKEN_FLAG, token_path
+
+    if a.grpc_token:
+        return f"the token sent is the one {TOKEN_FLAG} gives"
+    path = token_path(control_plane)
+    if path.is_file():
+        return f"the token sent is the one saved in {path} (by a `pagedserve up` before this one?)"
+    # The likeliest cause: `up` ran with another PAGEDSERVE_CACHE_DIR, so saved it elsewhere.
+    return (
+        f"no token given, and none saved for {control_plane} in {path}, where `pagedserve up` "
+        "saves it under $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve): run this with the "
+        f"PAGEDSERVE_CACHE_DIR `up` had (it prints where it saved the token), or set {TOKEN_FLAG}"
+    )
+
+
 @contextmanager
 def _config_errors() -> Iterator[None]:
     """A configuration the flags describe that cannot run: one line, no traceback."""
@@ -287,13 +305,13 @@ def cmd_healthcheck(a: argparse.Namespace) -> int:
 def cmd_generate(a: argparse.Namespace) -> int:
     from pagedserve.client import generate_main
 
-    return generate_main(a, _grpc_security(a, a.control_plane))
+    return generate_main(a, _grpc_security(a, a.control_plane), _token_source(a, a.control_plane))
 
 
 def cmd_stats(a: argparse.Namespace) -> int:
     from pagedserve.client import stats_main
 
-    return stats_main(a, _grpc_security(a, a.control_plane))
+    return stats_main(a, _grpc_security(a, a.control_plane), _token_source(a, a.control_plane))
 
 
 # -- parser -------------------------------------------------------------------------------------

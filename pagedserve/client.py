@@ -71,9 +71,19 @@ def message_to_dict(msg: Message) -> dict[str, Any]:
     return out
 
 
-def generate_main(a: argparse.Namespace, security: GrpcSecurity = INSECURE) -> int:
+def _print_rpc_error(exc: grpc.RpcError, token_source: str) -> None:
+    """The status on one line; a refused token adds where it came from or was looked for."""
+    print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED and token_source:
+        print(f"pagedserve: {token_source}", file=sys.stderr)
+
+
+def generate_main(
+    a: argparse.Namespace, security: GrpcSecurity = INSECURE, token_source: str = ""
+) -> int:
     """Streams one completion's text as it comes; several (--n, --beam-width) are printed
-    whole when all have ended, in index order: for beam search, best first with scores."""
+    whole when all have ended, in index order: for beam search, best first with scores.
+    `token_source` says where the gRPC token came from, for a server that refuses it."""
     req = build_request(a)
     whole = req.output_kind == pb.OUTPUT_KIND_FINAL_ONLY
     completions: dict[int, list[pb.GenerateResponse]] = {}
@@ -89,7 +99,7 @@ def generate_main(a: argparse.Namespace, security: GrpcSecurity = INSECURE) -> i
                 if msg.finish_reason:
                     sys.stdout.write(f"\n{_summary(msg)}\n")
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        _print_rpc_error(exc, token_source)
         return 1
     for index, msgs in sorted(completions.items()):
         last = msgs[-1]
@@ -107,11 +117,13 @@ def _summary(msg: pb.GenerateResponse) -> str:
     )
 
 
-def stats_main(a: argparse.Namespace, security: GrpcSecurity = INSECURE) -> int:
+def stats_main(
+    a: argparse.Namespace, security: GrpcSecurity = INSECURE, token_source: str = ""
+) -> int:
     try:
         stats = _stub(a.control_plane, security).Stats(pb.StatsRequest(), timeout=10)
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        _print_rpc_error(exc, token_source)
         return 1
     d = message_to_dict(stats)
     if a.json:

@@ -308,7 +308,7 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
     # refuse whoever else can reach them; children get it by the environment (argv shows in
     # `ps`), and `pagedserve generate` / `stats` find it where save_token leaves it.
     env["PAGEDSERVE_GRPC_TOKEN"] = a.grpc_token or secrets.token_urlsafe(32)
-    grpc_security.save_token(f"{a.host}:{a.grpc_port}", env["PAGEDSERVE_GRPC_TOKEN"])
+    token_file = grpc_security.save_token(f"{a.host}:{a.grpc_port}", env["PAGEDSERVE_GRPC_TOKEN"])
     py = [sys.executable, "-m", "pagedserve.cli"]
     children: list[Child] = []
 
@@ -357,6 +357,7 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
             flush=True,
         )
         print("\n".join(try_curl(url, a.api_key)), flush=True)
+        print(grpc_security.saved_token_line(token_file), flush=True)
         # Workers are restarted when they exit (the control plane moves their requests and
         # takes them back when they answer); Redis, the control plane or the gateway exiting
         # stops the cluster.

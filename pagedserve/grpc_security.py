@@ -320,26 +320,38 @@ class _TokenChannel(grpc.Channel):
 # -- the token `pagedserve up` leaves for the CLI ------------------------------------------------
 
 
-def _token_path(address: str) -> Path:
+def token_path(address: str) -> Path:
+    """Where `pagedserve up` leaves the token of the control plane at address: under
+    $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve), so only a client with the same setting
+    finds it."""
     root = os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
     return Path(root) / "grpc-tokens" / address.replace("/", "_")
 
 
-def save_token(address: str, token: str) -> None:
+def save_token(address: str, token: str) -> Path:
     """Leaves the token of the control plane at address where this user's `pagedserve
-    generate` / `stats` find it (readable by this user only)."""
-    path = _token_path(address)
+    generate` / `stats` find it (readable by this user only); returns the file."""
+    path = token_path(address)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
     os.replace(tmp, path)
+    return path
+
+
+def saved_token_line(path: Path) -> str:
+    """What `pagedserve up` says about the token file it left: a client looks for it only under
+    the same PAGEDSERVE_CACHE_DIR."""
+    cache = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    where = f" with PAGEDSERVE_CACHE_DIR={cache}" if cache else ""
+    return f"gRPC token saved in {path}: `pagedserve generate` and `stats` find it there{where}"
 
 
 def saved_token(address: str) -> str | None:
     try:
-        return _token_path(address).read_text().strip() or None
+        return token_path(address).read_text().strip() or None
     except OSError:
         return None
 

@@ -55,8 +55,11 @@ def test_up_default_model_then_generate_and_stats(tmp_path: Path) -> None:
     lines: list[str] = []
     try:
         assert proc.stdout is not None
-        lines += read_until(proc, "pagedserve is up", 180)
+        lines += read_until(proc, "gRPC token saved in", 180)
         assert any("pagedserve is up" in x for x in lines), "".join(lines)[-3000:]
+        # Where `generate` and `stats` find the token, under the cache dir `up` had.
+        token_file = tmp_path / "cache" / "grpc-tokens" / f"127.0.0.1:{cp_port}"
+        assert str(token_file) in lines[-1] and "PAGEDSERVE_CACHE_DIR=" in lines[-1]
         drain(proc, lines)
         # Child output is prefixed with the process name.
         assert any(x.lstrip().startswith("worker-0 |") for x in lines)
