@@ -10,7 +10,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pagedserve.json_values import check_json_value
@@ -18,6 +18,11 @@ from pagedserve.sampling_params import InvalidRequestError
 
 # A message's content while locating contents: noncharacters no template writes itself.
 _MARK = re.compile("\ufdd3([0-9]+)\ufdd4")
+# Variables render_chat sets from fields of their own: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+# What a template may raise on messages it cannot render (a sandboxed template cannot reach
+# anything that raises more): a 400 for the request, not a failure of the server.
+_RENDER_ERRORS = (TemplateError, TypeError, ValueError, LookupError, ArithmeticError)
 
 
 def _raise(message: str) -> None:
@@ -34,6 +39,33 @@ def _compile(template: str) -> Any:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     return env.from_string(template)
+
+
+def check_template(template: str) -> None:
+    """Raises ValueError, naming the line, if `template` is not a jinja template."""
+    try:
+        _compile(template)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not parse: line {exc.lineno}: {exc}") from None
+
+
+def parse_template_kwargs(kwargs_json: str) -> dict[str, Any]:
+    """A chat's chat_template_kwargs (extra template variables) from their JSON object; the
+    variables render_chat sets itself are refused."""
+    try:
+        kwargs = json.loads(kwargs_json)
+    except RecursionError:
+        raise InvalidRequestError("chat_template_kwargs: nested too deeply") from None
+    except ValueError as exc:
+        raise InvalidRequestError(f"chat_template_kwargs: not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs: must be a JSON object")
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs: must not set {', '.join(reserved)}: the request's own fields do"
+        )
+    return kwargs
 
 
 def parse_tools(tools_json: str) -> list[dict[str, Any]]:
@@ -86,8 +118,9 @@ def render_chat(
     add_generation_prompt: bool,
     variables: dict[str, Any],
 ) -> str:
-    """The template rendered over the messages; `variables` are the special tokens'
-    texts, and `tools` when the chat has tools (refused if the template renders none)."""
+    """The template rendered over the messages; `variables` are the special tokens' texts,
+    the chat's template kwargs, and `tools` when the chat has tools (refused if the template
+    renders none). A template that fails on these messages is the request's error."""
     if template is None:
         raise InvalidRequestError("this model has no chat template; send a plain prompt")
     if not messages:
@@ -101,7 +134,7 @@ def render_chat(
         text: str = _compile(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
-    except TemplateError as exc:
+    except _RENDER_ERRORS as exc:
         raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from exc
     return text
 
@@ -123,7 +156,7 @@ def content_spans(
         rendered: str = _compile(template).render(
             messages=marked, add_generation_prompt=add_generation_prompt, **variables
         )
-    except (TemplateError, InvalidRequestError):
+    except (*_RENDER_ERRORS, InvalidRequestError):
         return None
     parts = _MARK.split(rendered)  # template text, message index, template text, ...
     spans: list[tuple[int, int]] = []

@@ -1,5 +1,6 @@
 """Loads a checkpoint's tokenizer and its chat and special-token settings: from tokenizer.json
-and tokenizer_config.json in an HF directory, or from the metadata of a GGUF file."""
+and tokenizer_config.json in an HF directory, or from the metadata of a GGUF file; the chat
+template as control_plane.chat_templates chooses it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ from typing import Any, NamedTuple
 from tokenizers import AddedToken, Tokenizer
 
 from control_plane.chat import content_spans, render_chat
+from control_plane.chat_templates import choose_chat_template
 from pagedserve.gguf import find_gguf, open_gguf
 from pagedserve.gguf.tokenizer import special_tokens
+from pagedserve.log import get_logger
 from pagedserve.sampling_params import InvalidRequestError
+
+log = get_logger(__name__)
 
 # Stand-ins for the special token before a stretch of text that is re-tokenized as plain text
 # (see `encode`): Unicode noncharacters, which no normalizer changes. One of each kind, as an
@@ -47,16 +52,26 @@ class LoadedTokenizer:
         messages: list[dict[str, str]],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> ChatPrompt:
-        """The rendered chat (with `tools` for a template that renders them), and where
-        special tokens typed in its messages lie: `encode` with those spans puts special
-        tokens only where the template writes them."""
-        variables = dict(self.special_tokens)
+        """The rendered chat (with `tools` for a template that renders them, and the template
+        variables `template_kwargs` over the special tokens' texts), and where special tokens
+        typed in its messages lie: `encode` with those spans puts special tokens only where the
+        template writes them."""
+        variables: dict[str, Any] = {**self.special_tokens, **(template_kwargs or {})}
         if tools is not None:
-            variables["tools"] = tools  # type: ignore[assignment]
+            variables["tools"] = tools
         text = render_chat(self.chat_template, messages, add_generation_prompt, variables)
         if self.special_text_in(m["role"] for m in messages):
             raise InvalidRequestError("a message role must not hold a special token's text")
+        # Tools and kwargs are rendered wherever the template puts them, where no span can
+        # mark them as text.
+        if tools and self.special_text_in([json.dumps(tools, ensure_ascii=False)]):
+            raise InvalidRequestError("tools must not hold a special token's text")
+        if template_kwargs and self.special_text_in(
+            [json.dumps(template_kwargs, ensure_ascii=False)]
+        ):
+            raise InvalidRequestError("chat_template_kwargs: must not hold a special token's text")
         extras = (
             json.dumps(m[k], ensure_ascii=False) for m in messages for k in _EXTRA_FIELDS if k in m
         )
@@ -189,7 +204,17 @@ def _overlaps(start: int, end: int, spans: Sequence[Span], starts: list[int]) ->
     return k > 0 and spans[k - 1][1] > start
 
 
-def load_tokenizer(model_path: str | Path) -> LoadedTokenizer:
+def load_tokenizer(model_path: str | Path, chat_template: str | None = None) -> LoadedTokenizer:
+    """The checkpoint's tokenizer; its chats rendered with `chat_template` (the text
+    `--chat-template` gave) when set, else as choose_chat_template picks for the checkpoint."""
+    loaded = _load(model_path)
+    chosen = choose_chat_template(loaded.chat_template, chat_template)
+    log.info("chat_template", source=chosen.source)
+    loaded.chat_template = chosen.text
+    return loaded
+
+
+def _load(model_path: str | Path) -> LoadedTokenizer:
     gguf_file = find_gguf(model_path)
     if gguf_file is not None:
         return _gguf_tokenizer(gguf_file)

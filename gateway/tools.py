@@ -389,12 +389,13 @@ def _tag_prefix_len(text: str) -> int:
 
 class HermesParser(ToolCallParser):
     """`tool_choice: "auto"`: calls written as Hermes and Qwen models write them,
-    `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, anywhere in the text.
-    The text around them is content: the whitespace before a call is dropped, and the
-    whitespace after one is kept only between two pieces of text. A block that does not hold
-    a call of one of the tools (bad JSON, an unknown name) stays content as written. Streamed
-    content holds back what may start a block (trailing whitespace, part of the tag) until
-    the next text says."""
+    `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, or as SmolLM2 writes
+    them, a JSON list of such calls in one block (`<tool_call>[{...}, {...}]</tool_call>`;
+    `[]`, its word for no call, is dropped), anywhere in the text. The text around them is
+    content: the whitespace before a call is dropped, and the whitespace after one is kept
+    only between two pieces of text. A block that does not hold calls of the tools only (bad
+    JSON, an unknown name) stays content as written. Streamed content holds back what may
+    start a block (trailing whitespace, part of the tag) until the next text says."""
 
     def __init__(self, names: set[str]) -> None:
         super().__init__()
@@ -410,23 +411,39 @@ class HermesParser(ToolCallParser):
             out.content += text
             self._emitted = True
 
-    def _parse_call(self, body: str) -> dict[str, Any] | None:
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError):
-            return None
+    def _parse_item(self, data: Any, text: str, start: int) -> tuple[str, str] | None:
+        """(name, arguments) of the call `data` written at text[start], or None if it is not
+        a call of one of the tools."""
         if not isinstance(data, dict) or data.get("name") not in self.names:
             return None
         key = "arguments" if "arguments" in data else "parameters"
         args = data.get(key, {})
         if not isinstance(args, dict | str):
             return None
-        return self._call(data["name"], _arguments(args, member_text(body, 0, key)))
+        return data["name"], _arguments(args, member_text(text, start, key))
+
+    def _parse_calls(self, body: str) -> list[tuple[str, str]] | None:
+        """The calls a block's (stripped) text holds, all or none: None unless it is one call
+        or a list of calls, every one of a tool."""
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(data, list):
+            call = self._parse_item(data, body, 0)
+            return None if call is None else [call]
+        calls = []
+        for item, start in _list_items(body):
+            call = self._parse_item(item, body, start)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
 
     def _close(self, body: str, closed: bool, out: Parsed) -> None:
-        call = self._parse_call(body.strip())
-        if call is not None:
-            out.calls.append(call)
+        calls = self._parse_calls(body.strip())
+        if calls is not None:
+            out.calls += [self._call(name, arguments) for name, arguments in calls]
             self._after_call = True
         else:
             end = CLOSE_TAG if closed else ""
@@ -480,6 +497,19 @@ class HermesParser(ToolCallParser):
             self._emit(out, self._outside)
         self._outside = ""
         return out
+
+
+def _list_items(text: str) -> list[tuple[Any, int]]:
+    """Each item of the JSON list that is `text` (valid JSON), with where it starts."""
+    items = []
+    pos = _skip_space(text, 1)
+    while text[pos] != "]":
+        item, end = _DECODER.raw_decode(text, pos)
+        items.append((item, pos))
+        pos = _skip_space(text, end)
+        if text[pos] == ",":
+            pos = _skip_space(text, pos + 1)
+    return items
 
 
 def merge_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
