@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.chat import parse_tools, template_message
+from control_plane.chat import parse_template_kwargs, parse_tools, template_message
 from control_plane.config import ControlPlaneConfig
 from control_plane.engine import OutputChunk, RequestStream, merge_chunks
 from control_plane.plane import AdmissionError, ControlPlane
@@ -155,8 +155,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             messages = [template_message(m) for m in request.chat.messages]
             # Special tokens only where the template writes them (any BOS included): special-
             # token text typed in a message is tokenized as the text it is.
-            tools = parse_tools(request.chat.tools_json) if request.chat.tools_json else None
-            chat = tok.chat_prompt(messages, _flag(request.chat, "add_generation_prompt"), tools)
+            chat_req = request.chat
+            tools = parse_tools(chat_req.tools_json) if chat_req.tools_json else None
+            kwargs_json = chat_req.chat_template_kwargs_json
+            kwargs = parse_template_kwargs(kwargs_json) if kwargs_json else None
+            agp = _flag(chat_req, "add_generation_prompt")
+            chat = tok.chat_prompt(messages, agp, tools, kwargs)
             return await self.cp.tokenize(chat.text, False, chat.literal)
         if which != "text":
             raise InvalidRequestError("a prompt is required: set text, token_ids or chat")

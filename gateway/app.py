@@ -28,6 +28,7 @@ from gateway.protocol import (
     SamplingFields,
     TokenizeRequest,
     message_fields,
+    template_kwargs_json,
     tools_json,
 )
 from gateway.responses import ChatFormat, CompletionFormat, Format
@@ -274,6 +275,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         base.chat.add_generation_prompt = body.add_generation_prompt
         base.chat.messages.extend(pb.ChatMessage(**m) for m in message_fields(body.messages))
         base.chat.tools_json = body.tools_json()
+        base.chat.chat_template_kwargs_json = template_kwargs_json(body.chat_template_kwargs)
         choices = expand_choices(base, body.n, 0, rid, True)
         fmt = ChatFormat(
             f"chatcmpl-{rid}",
@@ -312,6 +314,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             req.chat.messages.extend(pb.ChatMessage(**m) for m in message_fields(body.messages))
             if body.tools:
                 req.chat.tools_json = tools_json(body.tools)
+            req.chat.chat_template_kwargs_json = template_kwargs_json(body.chat_template_kwargs)
         else:
             assert body.prompt is not None
             req.text = body.prompt
@@ -320,8 +323,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             resp = await gw.upstream_call(gw.upstream.tokenize(req))
         except APIError as err:
+            first = err.message.split(" ", 1)[0].rstrip(":")
             if err.status == 400 and "render tools" in err.message:
                 err.param = "tools"
+            elif err.status == 400 and first in _TEMPLATE_FIELDS:
+                err.param = first
             raise
         return TokenizeResponse(
             count=len(resp.token_ids),
@@ -418,6 +424,8 @@ def _tool_parser(body: ChatCompletionRequest) -> Callable[[], ToolCallParser] | 
 
 # The control plane's refusals start with the field they are about.
 _CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# Request fields the chat template renders beside the messages.
+_TEMPLATE_FIELDS = ("tools", "chat_template_kwargs")
 
 
 def _name_param(err: APIError, body: SamplingFields) -> None:
@@ -433,6 +441,8 @@ def _name_param(err: APIError, body: SamplingFields) -> None:
         err.param = "logit_bias"
     elif "render tools" in err.message:
         err.param = "tools"
+    elif first in _TEMPLATE_FIELDS:
+        err.param = first
 
 
 def _log_ignored(body: Any) -> None:

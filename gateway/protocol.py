@@ -12,7 +12,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -39,6 +39,10 @@ from pagedserve.sampling_params import (
 
 UINT32_MAX = 2**32 - 1
 MAX_CHOICES = 256  # prompts x n in one request
+# Token ids in one prompt (or one /detokenize): more than any served context holds, so a longer
+# list is refused by its length before its ids are looked at.
+MAX_PROMPT_TOKEN_IDS = 1 << 20
+MAX_MESSAGES = 65536  # in one chat
 
 
 def _integral(value: Any) -> Any:
@@ -51,6 +55,7 @@ def _integral(value: Any) -> Any:
 # Constraints go before the validator: that way they also reach the JSON schema.
 INTEGRAL = BeforeValidator(_integral)
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX), INTEGRAL]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
@@ -137,12 +142,6 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     _ignored: list[str] = PrivateAttr(default_factory=list)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data: Any) -> Any:
-        check_json_value(data)
-        return data
-
     @model_validator(mode="wrap")
     @classmethod
     def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
@@ -159,11 +158,36 @@ class _Body(BaseModel):
             value = getattr(self, name)
             if isinstance(value, _Body):
                 out += value.ignored_fields(f"{prefix}{name}.")
-            elif isinstance(value, list):
+            elif value and isinstance(value, list) and isinstance(value[0], _Body):
+                # A list holds models or none (never a million token ids walked here).
                 for i, item in enumerate(value):
-                    if isinstance(item, _Body):
-                        out += item.ignored_fields(f"{prefix}{name}.{i}.")
+                    out += item.ignored_fields(f"{prefix}{name}.{i}.")
         return out
+
+
+class _Request(_Body):
+    """A whole request body. Before any field is validated, its long lists are counted
+    (`MAX_COUNTS`, a 400 naming the field) and then its strings and nesting checked, each once
+    for the whole body: what follows walks every item, so a list past its bound costs no
+    more than its parsing."""
+
+    MAX_COUNTS: ClassVar[dict[str, tuple[int, str]]] = {}  # field -> (most items, their name)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, (limit, items) in cls.MAX_COUNTS.items():
+                _check_count(name, data.get(name), limit, items)
+        check_json_value(data)
+        return data
+
+
+def _check_count(param: str, value: Any, limit: int, items: str) -> None:
+    if isinstance(value, list) and len(value) > limit:
+        raise bad_request(
+            f"{param}: {len(value)} {items}, more than the {limit} a request may hold", param
+        )
 
 
 class StreamOptions(_Body):
@@ -205,7 +229,7 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Request):
     """What /v1/completions and /v1/chat/completions share."""
 
     _constraint: tuple[Constraint | None] | None = PrivateAttr(default=None)
@@ -431,8 +455,8 @@ class CompletionRequest(SamplingFields):
         | Annotated[
             list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)
         ]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     echo: bool = False
@@ -597,6 +621,20 @@ def tools_json(tools: list[Tool]) -> str:
     return json.dumps([t.function.as_tool() for t in tools], ensure_ascii=False)
 
 
+TemplateKwargs = Annotated[
+    dict[str, Any] | None,
+    Field(
+        description="Extra variables for the chat template (vLLM's; e.g. a custom "
+        "--chat-template's switches); not messages, tools or add_generation_prompt",
+    ),
+]
+
+
+def template_kwargs_json(kwargs: dict[str, Any] | None) -> str:
+    """chat_template_kwargs as ChatPrompt.chat_template_kwargs_json carries them."""
+    return json.dumps(kwargs, ensure_ascii=False) if kwargs else ""
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Messages
     max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
@@ -614,6 +652,7 @@ class ChatCompletionRequest(SamplingFields):
         'is that function\'s arguments; "none": the tools are left out',
     )
     parallel_tool_calls: bool = Field(True, description='false: "required" makes exactly one call')
+    chat_template_kwargs: TemplateKwargs = None
 
     def effective_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -709,7 +748,7 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     return_token_strs: bool | None = False
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     tools: Tools | None = Field(
         None, description='With messages: rendered by the chat template, as chat\'s "auto"'
     )
@@ -721,7 +760,7 @@ class TokenizeRequest(_Body):
             if self.tools:
                 raise bad_request("tools go with messages, not a prompt", "tools")
             return
-        for name in ("continue_final_message", "chat_template", "chat_template_kwargs"):
+        for name in ("continue_final_message", "chat_template"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported", name)
         check_tools(self.tools or [])
