@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from control_plane.chat import check_template
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -37,6 +38,9 @@ class ControlPlaneConfig:
     # is refused at once (control_plane.admission); None: no such bound.
     max_queue_delay_s: float | None = None
     tokenizer: str | None = None  # defaults to the model path the worker reports
+    # The chat template's text (--chat-template, loaded); None: the checkpoint's, or the one
+    # control_plane.chat_templates ships for it.
+    chat_template: str | None = None
     served_model_name: str | None = None
     worker_connect_timeout_s: float = 300.0  # for the first worker at startup; 0: no limit
     # A request that comes before any worker has registered waits this long for one; 0: it is
@@ -78,5 +82,7 @@ class ControlPlaneConfig:
             raise ValueError("worker_connect_timeout_s must be >= 0 (0: no limit)")
         if self.worker_wait_timeout_s < 0:
             raise ValueError("worker_wait_timeout_s must be >= 0 (0: no wait)")
+        if self.chat_template is not None:
+            check_template(self.chat_template)
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -146,7 +146,7 @@ class ControlPlane:
         if first is None:
             self.model_name = self.config.served_model_name or info.model
             self.tokenizer = await asyncio.to_thread(
-                load_tokenizer, self.config.tokenizer or info.model_path
+                load_tokenizer, self.config.tokenizer or info.model_path, self.config.chat_template
             )
         elif (info.architecture, info.vocab_size) != (first.architecture, first.vocab_size):
             raise RuntimeError(

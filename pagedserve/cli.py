@@ -117,6 +117,13 @@ def _config_errors() -> Iterator[None]:
         raise SystemExit(f"pagedserve: {exc}") from None
 
 
+def _chat_template(value: str | None) -> str | None:
+    """The template --chat-template names (ValueError if none), or None without the flag."""
+    from control_plane.chat_templates import load_chat_template
+
+    return load_chat_template(value) if value else None
+
+
 def _check_port(host: str, port: int, flag: str = "--port") -> None:
     """Exits with one line when the port this server is about to listen on is taken."""
     from pagedserve.ports import PortError, check_port
@@ -223,6 +230,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
             max_waiting=a.max_waiting,
             max_queue_delay_s=a.max_queue_delay,
             tokenizer=a.tokenizer,
+            chat_template=_chat_template(a.chat_template),
             served_model_name=a.served_model_name,
             enable_prefix_caching=not a.no_prefix_caching,
             async_scheduling=not a.no_async_scheduling,
@@ -282,6 +290,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         )
 
     model_dir = _model_dir(a.model)  # a model that is not there is the first thing to say
+    with _config_errors():
+        _chat_template(a.chat_template)  # checked before anything starts
     try:
         a = up_ports(a)  # every port checked before anything starts
     except PortError as exc:
@@ -471,6 +481,15 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds a structured-output constraint (JSON schema, regex, grammar) may take to "
         "compile; a slower one is refused (HTTP 400)",
+    )
+    _flag(
+        p,
+        "--chat-template",
+        default=None,
+        help="the chat template chats are rendered with: a jinja file, or the template itself "
+        "(text with braces or a newline), as vLLM's; default: the model's own, or for "
+        "SmolLM2-Instruct the shipped control_plane/templates/smollm2-instruct.jinja, which "
+        "renders tools",
     )
     _flag(
         p,
