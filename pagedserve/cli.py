@@ -708,6 +708,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flag(up, "--model", default=None, help=MODEL_HELP)
     _flag(up, "--workers", type=int, default=1, help="number of worker processes")
+    _flag(
+        up,
+        "--devices",
+        default=None,
+        help="with --device cuda: the GPUs the workers run on, --tensor-parallel-size of them "
+        "each, in order (e.g. 0,1,2,3); default: those CUDA_VISIBLE_DEVICES shows, else 0,1,...",
+    )
     _flag(up, "--host", default="127.0.0.1")
     _flag(
         up,

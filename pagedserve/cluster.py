@@ -5,6 +5,11 @@ HTTP gateway, in that order, waiting until each is healthy; prints the URL. Ctrl
 SIGTERM) stops them in reverse order: the gateway first lets in-flight requests finish, then
 the control plane drains, then the workers and Redis go.
 
+Once up, a worker, redis-server or the control plane that exits is started again on its own
+address after a back-off (`Child.supervise`); the others serve on meanwhile
+(docs/architecture.md, faults, says what each exit costs). The gateway exiting stops the
+cluster: nothing would answer HTTP.
+
 Children run in process groups of their own, so a terminal's Ctrl-C reaches only this process
 and the shutdown order holds; each child gets SIGTERM should this process die without cleaning
 up. They stay in this process's session: where the kernel shares the CPU between sessions'
@@ -33,22 +38,33 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve import grpc_security
+from pagedserve import devices, grpc_security
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
 from pagedserve.log import resolve_format
 
 READY_TIMEOUT_S = 300.0
-# A worker that exits is started again after these waits, one per exit in a row; one that ran
-# STABLE_AFTER_S before exiting starts from the first wait again.
+# A child that exits is started again after these waits, one per exit in a row; one that ran
+# STABLE_AFTER_S before exiting starts from the first wait again. A child that keeps failing
+# at start thus costs a try every 30 s, never a busy loop.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_AFTER_S = 60.0
+# What serving does while each restartable child is down, said when it exits.
+WHILE_DOWN = {
+    "worker": "its requests go on on the other workers",
+    "redis": "serving goes on, placed by load; the prefix index is rebuilt once it is back",
+    "control-plane": "its requests fail; new ones are served once it is back and its workers "
+    "have registered",
+}
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], while_down: str = ""
+    ) -> None:
         self.name = name
         self.argv = argv
         self.env = env
+        self.while_down = while_down
         self.failures = 0  # exits in a row, each within STABLE_AFTER_S of its start
         self.restart_at: float | None = None  # when an exited restartable child starts again
         self._start()
@@ -92,7 +108,7 @@ class Child:
             self.restart_at = now + delay
             print(
                 f"{self.name} exited with code {code}: restarting it in {delay:.0f} s "
-                "(its requests go on on the other workers)",
+                f"({self.while_down})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -221,7 +237,6 @@ SCHEDULER_FLAGS = [
     "worker-connect-timeout",
     "worker-wait-timeout",
     "step-trace",
-    "chat-template",
 ]
 # One request's budget: the gateway checks an HTTP request's total, the control plane each call.
 BUDGET_FLAGS = ["max-request-tokens", "max-logprob-entries"]
@@ -244,7 +259,7 @@ def _start_redis(a: argparse.Namespace, env: dict[str, str]) -> tuple[Child | No
         return None, None
     port = a.redis_port or free_port(a.host)
     argv = [binary, "--bind", a.host, "--port", str(port), "--save", "", "--appendonly", "no"]
-    child = Child("redis", argv, env)
+    child = Child("redis", argv, env, WHILE_DOWN["redis"])
     wait_until(lambda: tcp_open(a.host, port), child, f"{a.host}:{port}", timeout=30)
     return child, f"redis://{a.host}:{port}/0"
 
@@ -299,6 +314,10 @@ def try_curl(url: str, api_key: str | None) -> list[str]:
 
 
 def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
+    try:  # each worker's GPUs, or why the flags cannot place them, before anything starts
+        worker_envs = devices.from_args(a, os.environ.get(devices.VISIBLE))
+    except devices.DeviceError as exc:
+        raise StartupError(str(exc)) from None
     # The children's lines are shown on this process's stdout: human-readable on a terminal
     # (in colour), JSON otherwise, unless --log-format says which.
     tty = sys.stdout.isatty()
@@ -312,6 +331,7 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
     token_file = grpc_security.save_token(f"{a.host}:{a.grpc_port}", env["PAGEDSERVE_GRPC_TOKEN"])
     py = [sys.executable, "-m", "pagedserve.cli"]
     children: list[Child] = []
+    restartable: list[Child] = []
 
     stop_on_signals()
     try:
@@ -320,14 +340,19 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
             redis, redis_url = _start_redis(a, env)
             if redis is not None:
                 children.append(redis)
+                restartable.append(redis)
         addresses = []
         workers = []
-        for i in range(a.workers):
+        for i, extra in enumerate(worker_envs):
             port = a.worker_base_port + i
             addresses.append(f"{a.host}:{port}")
             argv = ["worker", "--model", model_dir, "--host", a.host, "--port", str(port)]
-            workers.append(Child(f"worker-{i}", py + argv + _passthrough(a, WORKER_FLAGS), env))
+            argv = py + argv + _passthrough(a, WORKER_FLAGS)
+            workers.append(Child(f"worker-{i}", argv, {**env, **extra}, WHILE_DOWN["worker"]))
+            if extra:
+                print(f"worker-{i}: {' '.join(f'{k}={v}' for k, v in extra.items())}", flush=True)
         children += workers
+        restartable += workers
         for child, address in zip(workers, addresses, strict=True):
             wait_serving(address, child)
         cp_address = f"{a.host}:{a.grpc_port}"
@@ -335,10 +360,10 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
         cp_argv += ["--workers", ",".join(addresses)]
         if redis_url:
             cp_argv += ["--redis-url", redis_url]
-        cp = Child(
-            "control-plane", py + cp_argv + _passthrough(a, SCHEDULER_FLAGS + BUDGET_FLAGS), env
-        )
+        cp_argv = py + cp_argv + _passthrough(a, SCHEDULER_FLAGS + BUDGET_FLAGS)
+        cp = Child("control-plane", cp_argv, env, WHILE_DOWN["control-plane"])
         children.append(cp)
+        restartable.append(cp)
         wait_serving(cp_address, cp)
         http_port = a.port  # decided, as every port, before anything started (ports.up_ports)
         url = f"http://{a.host}:{http_port}"
@@ -359,15 +384,17 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
         )
         print("\n".join(try_curl(url, a.api_key)), flush=True)
         print(grpc_security.saved_token_line(token_file), flush=True)
-        # Workers are restarted when they exit (the control plane moves their requests and
-        # takes them back when they answer); Redis, the control plane or the gateway exiting
-        # stops the cluster.
+        # Workers, Redis and the control plane are restarted when they exit, each on its own
+        # address: the control plane moves a worker's requests and takes it back when it
+        # answers, rebuilds the prefix index once Redis answers, and a restarted control plane
+        # registers the workers again, whose Execute streams then belong to it; the gateway's
+        # channel reconnects to it. The gateway exiting stops the cluster.
         while True:
             time.sleep(0.5)
             now = time.monotonic()
-            for worker in workers:
-                worker.supervise(now)
-            dead = [c for c in children if c not in workers and c.proc.poll() is not None]
+            for child in restartable:
+                child.supervise(now)
+            dead = [c for c in children if c not in restartable and c.proc.poll() is not None]
             if dead:
                 exits = ", ".join(f"{c.name} (code {c.proc.returncode})" for c in dead)
                 print(f"stopping: {exits} exited", file=sys.stderr)

@@ -1,6 +1,7 @@
-"""`pagedserve up --workers 2` keeps serving when a worker dies: the control plane moves its
-requests, `up` starts it again (logged), and the cluster stops only on its own signal or when a
-part it cannot restart exits."""
+"""`pagedserve up` keeps serving when a part dies: a worker (the control plane moves its
+requests), redis-server (placement by load, then the index rebuilt) or the control plane (its
+requests fail, new ones are served once it is back) is started again (logged); the cluster
+stops only on its own signal or when the gateway exits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,3 +126,133 @@ def _cmdline_has(pid: int, *words: bytes) -> bool:
     except OSError:
         return False
     return all(w in argv for w in words)
+
+
+def _pid_of(*words: bytes) -> int:
+    """The pid of the one process whose argv holds every word."""
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(int(p), *words)]
+    assert len(pids) == 1, (words, pids)
+    return pids[0]
+
+
+def _post(url: str, body: dict[str, object]) -> httpx.Response | None:
+    try:
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    except httpx.HTTPError:
+        return None
+
+
+def _served_within(url: str, body: dict[str, object], bound: float, lines: list[str]) -> float:
+    """Seconds until a request is answered 200, asking again until `bound`."""
+    start = time.monotonic()
+    while True:
+        r = _post(url, body)
+        if r is not None and r.status_code == 200:
+            return time.monotonic() - start
+        elapsed = time.monotonic() - start
+        assert elapsed < bound, f"no 200 in {bound} s: {r and r.text}\n{''.join(lines)[-4000:]}"
+        time.sleep(0.2)
+
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+
+
+@pytest.mark.serial  # bounded by the wall clock: served again within seconds of each death
+def test_up_restarts_redis_and_the_control_plane_and_keeps_serving(micro_llama: Path) -> None:
+    """Redis dying leaves serving on (placement by load) and, once `up` has restarted it, the
+    index is rebuilt with what was cached before; the control plane dying fails its in-flight
+    requests with an error, and once `up` has restarted it the workers register with it and
+    the gateway serves again. `up` runs on throughout."""
+    import redis
+
+    http_port, grpc_port, base, redis_port = (free_port() for _ in range(4))
+    argv = [
+        sys.executable, "-m", "pagedserve.cli", "up", "--model", str(micro_llama),
+        "--port", str(http_port), "--grpc-port", str(grpc_port),
+        "--worker-base-port", str(base), "--redis-port", str(redis_port),
+        "--kv-cache-memory", "32MiB",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: list[str] = []
+    url = f"http://127.0.0.1:{http_port}"
+    index = redis.Redis(port=redis_port, socket_timeout=2)
+    plain = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    try:
+        lines += read_until(proc, "pagedserve is up", 180)
+        assert any("pagedserve is up" in x for x in lines), "".join(lines)[-3000:]
+        drain(proc, lines)
+
+        # Blocks cached by a prompt of several blocks reach the index.
+        long_a = {**plain, "prompt": " ".join(WORDS * 4)}
+        assert (r := _post(url, long_a)) is not None and r.status_code == 200
+        deadline = time.monotonic() + 30
+        while not (cached := set(index.keys("pagedserve:*:b:*"))):
+            assert time.monotonic() < deadline, "nothing reached the prefix index"
+            time.sleep(0.2)
+
+        # Redis dies: requests are served on, and `up` starts it again, empty.
+        os.kill(int(index.info("server")["process_id"]), signal.SIGKILL)
+        redis_down = _served_within(url, plain, 20, lines)
+        deadline = time.monotonic() + 30
+        while "redis restarted" not in "".join(lines):
+            assert time.monotonic() < deadline, "".join(lines)[-3000:]
+            assert proc.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        assert "redis exited with code -9: restarting it in 1 s" in "".join(lines)
+        # The control plane rebuilds the index once it notices: what it held before is back.
+        long_b = {**plain, "prompt": " ".join(reversed(WORDS * 4))}
+        deadline = time.monotonic() + 30
+        while True:
+            assert (r := _post(url, long_b)) is not None and r.status_code == 200
+            try:
+                if cached <= set(index.keys("pagedserve:*:b:*")):
+                    break
+            except redis.RedisError:
+                pass
+            assert time.monotonic() < deadline, "the index was not rebuilt"
+            time.sleep(0.5)
+
+        # The control plane dies with a stream in flight: the stream ends with an error.
+        events: list[str] = []
+        streaming = {**plain, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json=streaming, timeout=60) as s:
+                for line in s.iter_lines():
+                    events.append(line)
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not any(e.startswith("data: {") for e in events):
+            assert time.monotonic() < deadline and reader.is_alive(), events
+            time.sleep(0.05)
+        os.kill(_pid_of(b"control-plane", b"--port", str(grpc_port).encode()), signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive(), "the stream hung after the control plane died"
+        assert any('"error"' in e for e in events), events[-5:]
+        assert [e for e in events if e][-1] == "data: [DONE]"
+
+        cp_down = _served_within(url, plain, 60, lines)
+        log = "".join(lines)
+        assert "control-plane exited with code -9: restarting it in 1 s" in log
+        assert "control-plane restarted" in log
+        assert proc.poll() is None, log[-3000:]
+        print(f"served {redis_down:.1f} s after redis died, {cp_down:.1f} s after the cp died")
+
+        # Killing it again is one more restart, after a longer wait (the restart budget).
+        os.kill(_pid_of(b"control-plane", b"--port", str(grpc_port).encode()), signal.SIGKILL)
+        _served_within(url, plain, 60, lines)
+        assert "control-plane exited with code -9: restarting it in 2 s" in "".join(lines)
+        assert proc.poll() is None
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
