@@ -237,6 +237,7 @@ SCHEDULER_FLAGS = [
     "worker-connect-timeout",
     "worker-wait-timeout",
     "step-trace",
+    "chat-template",
 ]
 # One request's budget: the gateway checks an HTTP request's total, the control plane each call.
 BUDGET_FLAGS = ["max-request-tokens", "max-logprob-entries"]
