@@ -12,11 +12,21 @@ A lookup is ONE round trip (a read-only Lua script): for every worker, the numbe
 blocks of the prompt whose entry carries that worker's current epoch. An entry with an older
 epoch (the worker restarted and lost its cache) counts as absent, and is deleted by
 `drop_stale` when the worker registers again.
+
+A Redis that restarts (without persistence) or is flushed comes back empty, and the client
+reconnects to it without an error. So that the control plane still notices, and rebuilds its
+workers' entries, each index writes a key of its own when it is set up and after each outage,
+
+    {prefix}:{model}:live:{random}  ->  1
+
+and both scripts first check it is there: when it is gone, the call raises
+PrefixIndexUnavailable (one key read per call, in the same round trip).
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,27 +38,38 @@ from pagedserve.log import get_logger
 
 log = get_logger(__name__)
 
-# Read-only: KEYS = block keys in prompt order; ARGV = worker_id_1, epoch_1, worker_id_2, ...
+# Both scripts return LOST when the index's live key is gone (Redis lost its data).
+LOST = -1
+
+# Read-only: KEYS = the live key, then block keys in prompt order; ARGV = whether to check
+# the live key ("1"), then worker_id_1, epoch_1, worker_id_2, ...
 _LOOKUP_LUA = """
+if ARGV[1] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local result = {}
-for w = 1, #ARGV, 2 do
+for w = 2, #ARGV, 2 do
   local worker, epoch = ARGV[w], ARGV[w + 1]
   local n = 0
-  for i = 1, #KEYS do
+  for i = 2, #KEYS do
     if redis.call('HGET', KEYS[i], worker) ~= epoch then break end
-    n = i
+    n = i - 1
   end
   result[#result + 1] = n
 end
 return result
 """
 
-# KEYS = the removed blocks' keys, then the stored blocks'; ARGV = worker_id, epoch, TTL
-# seconds, the number of removed keys. One call per batch of events: as a pipeline of
-# HDEL / HSET + EXPIRE commands, the client's Python cost 14x as much CPU per event.
+# KEYS = the live key, then the removed blocks' keys, then the stored blocks'; ARGV = worker_id,
+# epoch, TTL seconds, the number of removed keys, "1" to set the live key (else it must be
+# there). One call per batch of events: as a pipeline of HDEL / HSET + EXPIRE commands, the
+# client's Python cost 14x as much CPU per event.
 _UPDATE_LUA = """
-local removed = tonumber(ARGV[4])
-for i = 1, #KEYS do
+if ARGV[5] == '1' then
+  redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])
+elseif redis.call('EXPIRE', KEYS[1], ARGV[3]) == 0 then
+  return -1
+end
+local removed = tonumber(ARGV[4]) + 1
+for i = 2, #KEYS do
   if i <= removed then
     redis.call('HDEL', KEYS[i], ARGV[1])
   else
@@ -56,7 +77,7 @@ for i = 1, #KEYS do
     redis.call('EXPIRE', KEYS[i], ARGV[3])
   end
 end
-return #KEYS
+return #KEYS - 1
 """
 # Keys per update call: a script holds the server for its whole run, and other replicas'
 # lookups wait behind it.
@@ -75,6 +96,10 @@ class PrefixIndexUnavailable(RuntimeError):
 
 class PrefixIndexTimeout(PrefixIndexUnavailable):
     """One lookup missed its deadline; the index itself is presumed fine."""
+
+
+class PrefixIndexLost(PrefixIndexUnavailable):
+    """The index answers but lost its entries (Redis restarted or was flushed)."""
 
 
 class PrefixIndex(ABC):
@@ -97,7 +122,8 @@ class PrefixIndex(ABC):
     async def replace_worker(self, worker: WorkerRef, hashes: Sequence[bytes]) -> None: ...
 
     async def reconnect(self) -> None:  # noqa: B027 - optional hook
-        """Called before the index is rebuilt after an outage: drop what the outage broke."""
+        """Called before the index is rebuilt after an outage (PrefixIndexUnavailable): drop
+        what the outage broke."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -154,6 +180,8 @@ class RedisPrefixIndex(PrefixIndex):
         self._redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._timeout_s = timeout_s
         self._ns = f"{prefix}:{model}:b:"
+        self._live = f"{prefix}:{model}:live:{secrets.token_hex(8)}"
+        self._armed = False  # the live key has been written: its absence means a loss
         self._ttl_s = ttl_s
         self._lookup = self._redis.register_script(_LOOKUP_LUA)
         self._update = self._redis.register_script(_UPDATE_LUA)
@@ -166,18 +194,20 @@ class RedisPrefixIndex(PrefixIndex):
     ) -> dict[str, int]:
         if not block_hashes or not workers:
             return {w.worker_id: 0 for w in workers}
-        argv: list[str] = []
+        argv: list[str] = ["1" if self._armed else "0"]
         for w in workers:
             argv += [w.worker_id, str(w.epoch)]
         try:
             counts = await asyncio.wait_for(
-                self._lookup(keys=[self._key(h) for h in block_hashes], args=argv),
+                self._lookup(keys=[self._live, *map(self._key, block_hashes)], args=argv),
                 self._timeout_s,
             )
         except TimeoutError as exc:
             raise PrefixIndexTimeout(f"lookup took over {self._timeout_s * 1000:.0f} ms") from exc
         except (RedisError, OSError) as exc:
             raise PrefixIndexUnavailable(str(exc)) from exc
+        if counts == LOST:
+            raise PrefixIndexLost("Redis lost the index (restarted or flushed)")
         return {w.worker_id: int(n) for w, n in zip(workers, counts, strict=True)}
 
     async def update(
@@ -196,8 +226,12 @@ class RedisPrefixIndex(PrefixIndex):
                     str(worker.epoch),
                     self._ttl_s,
                     batch_removed,
+                    "0" if self._armed else "1",
                 ]
-                await self._update(keys=keys[start : start + UPDATE_BATCH], args=args)
+                batch = [self._live, *keys[start : start + UPDATE_BATCH]]
+                if await self._update(keys=batch, args=args) == LOST:
+                    raise PrefixIndexLost("Redis lost the index (restarted or flushed)")
+                self._armed = True
         except (TimeoutError, RedisError, OSError) as exc:
             raise PrefixIndexUnavailable(str(exc)) from exc
 
@@ -218,8 +252,11 @@ class RedisPrefixIndex(PrefixIndex):
             await self._redis.connection_pool.disconnect()
             await self._redis.script_load(_LOOKUP_LUA)
             await self._redis.script_load(_UPDATE_LUA)
+            # From here the rebuild's writes count: a loss during it is noticed too.
+            await self._redis.set(self._live, 1, ex=self._ttl_s)
         except (TimeoutError, RedisError, OSError) as exc:
             raise PrefixIndexUnavailable(str(exc)) from exc
+        self._armed = True
 
     async def ping(self) -> bool:
         try:

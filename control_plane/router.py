@@ -144,6 +144,7 @@ class Router:
                     await self.index.update(self.ref(loop), ev.stored, ev.removed)
             except PrefixIndexUnavailable as exc:
                 self._lost(exc)
+                self._wakeup.set()  # recover now, not at the next step
                 return
 
     async def _recover(self) -> None:

@@ -10,6 +10,7 @@ import pytest
 from control_plane.prefix_index import (
     MemoryPrefixIndex,
     PrefixIndex,
+    PrefixIndexLost,
     PrefixIndexUnavailable,
     RedisPrefixIndex,
     WorkerRef,
@@ -71,10 +72,55 @@ def test_redis_outage_raises_unavailable_then_recovers(redis_server: RedisServer
         with pytest.raises(PrefixIndexUnavailable):
             await index.update(W0, H[2:3], ())
         redis_server.start()
-        assert await index.lookup(H[:2], [W0]) == {"w0": 0}  # the restarted Redis is empty
+        # The restarted Redis is empty: the index says so until it is rebuilt.
+        with pytest.raises(PrefixIndexLost):
+            await index.lookup(H[:2], [W0])
+        await index.reconnect()
         await index.replace_worker(W0, H[:3])
         assert await index.lookup(H[:4], [W0]) == {"w0": 3}
         await index.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("loss", ["restart", "flushall"])
+def test_every_index_notices_a_redis_that_lost_its_data(
+    redis_server: RedisServer, loss: str
+) -> None:
+    """Redis restarted between two calls (no call saw it down) or flushed: its client
+    reconnects without an error once a dead pooled connection has failed one call, yet every
+    index sharing it (one per control plane) raises PrefixIndexLost on each later call until
+    it has reconnected and rebuilt its workers' entries."""
+
+    async def go() -> None:
+        a, b = (
+            RedisPrefixIndex(redis_server.url, "lost"),
+            RedisPrefixIndex(redis_server.url, "lost"),
+        )
+        await a.update(W0, H[:3], ())
+        await b.update(W1, H[:2], ())
+        assert await a.lookup(H[:3], [W0, W1]) == {"w0": 3, "w1": 2}
+        if loss == "restart":
+            redis_server.stop()
+            redis_server.start()
+        else:
+            redis_server.client().flushall()
+        with pytest.raises(PrefixIndexUnavailable):  # a dead connection, or the loss itself
+            await a.update(W0, H[3:4], ())
+        with pytest.raises(PrefixIndexLost):  # and so on until reconnect()
+            await a.replace_worker(W0, H[:4])
+        await a.reconnect()
+        await a.replace_worker(W0, H[:4])
+        assert await a.lookup(H[:4], [W0]) == {"w0": 4}  # a is whole again ...
+        with pytest.raises(PrefixIndexUnavailable):  # ... and b's own loss still shows
+            await b.lookup(H[:2], [W1])
+        with pytest.raises(PrefixIndexLost):
+            await b.update(W1, H[2:3], ())
+        await b.reconnect()
+        await b.replace_worker(W1, H[:2])
+        assert await b.lookup(H[:4], [W0, W1]) == {"w0": 4, "w1": 2}
+        await a.close()
+        await b.close()
 
     asyncio.run(go())
 
