@@ -121,6 +121,10 @@ class PrefixIndex(ABC):
     @abstractmethod
     async def replace_worker(self, worker: WorkerRef, hashes: Sequence[bytes]) -> None: ...
 
+    async def check(self) -> None:  # noqa: B027 - optional hook
+        """Raises PrefixIndexUnavailable when the index cannot answer or lost its entries
+        (called while nothing else asks it, so that an outage is noticed then too)."""
+
     async def reconnect(self) -> None:  # noqa: B027 - optional hook
         """Called before the index is rebuilt after an outage (PrefixIndexUnavailable): drop
         what the outage broke."""
@@ -257,6 +261,14 @@ class RedisPrefixIndex(PrefixIndex):
         except (TimeoutError, RedisError, OSError) as exc:
             raise PrefixIndexUnavailable(str(exc)) from exc
         self._armed = True
+
+    async def check(self) -> None:
+        try:
+            there = await self._redis.exists(self._live) if self._armed else 1
+        except (TimeoutError, RedisError, OSError) as exc:
+            raise PrefixIndexUnavailable(str(exc)) from exc
+        if not there:
+            raise PrefixIndexLost("Redis lost the index (restarted or flushed)")
 
     async def ping(self) -> bool:
         try:

@@ -29,6 +29,9 @@ log = get_logger(__name__)
 
 FLUSH_INTERVAL_S = 0.005
 RECOVERY_INTERVAL_S = 0.5
+# With no step to flush for this long, the index is asked whether it still holds what it was
+# given: a Redis restarted in an idle moment is rebuilt before the next request needs it.
+CHECK_INTERVAL_S = 2.0
 
 
 @dataclass
@@ -121,10 +124,25 @@ class Router:
 
     async def _flush_forever(self) -> None:
         while True:
-            await self._wakeup.wait()
+            try:
+                async with asyncio.timeout(CHECK_INTERVAL_S):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                await self._check()
+                continue
             self._wakeup.clear()
             await self.sync()
             await asyncio.sleep(FLUSH_INTERVAL_S)
+
+    async def _check(self) -> None:
+        if not self.available:
+            self._wakeup.set()
+            return
+        try:
+            await self.index.check()
+        except PrefixIndexUnavailable as exc:
+            self._lost(exc)
+            self._wakeup.set()
 
     async def sync(self) -> None:
         """Brings the index up to date with the block managers' events (or, after an outage,

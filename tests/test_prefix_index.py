@@ -112,13 +112,17 @@ def test_every_index_notices_a_redis_that_lost_its_data(
         await a.reconnect()
         await a.replace_worker(W0, H[:4])
         assert await a.lookup(H[:4], [W0]) == {"w0": 4}  # a is whole again ...
-        with pytest.raises(PrefixIndexUnavailable):  # ... and b's own loss still shows
+        with pytest.raises(PrefixIndexUnavailable):  # ... and b's own loss still shows,
+            await b.check()  # also to the check made while nothing else asks the index
+        with pytest.raises(PrefixIndexLost):
             await b.lookup(H[:2], [W1])
         with pytest.raises(PrefixIndexLost):
             await b.update(W1, H[2:3], ())
         await b.reconnect()
         await b.replace_worker(W1, H[:2])
         assert await b.lookup(H[:4], [W0, W1]) == {"w0": 4, "w1": 2}
+        await a.check()
+        await b.check()
         await a.close()
         await b.close()
 
