@@ -20,7 +20,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN useradd --create-home --uid 1000 pagedserve
 WORKDIR /app
 
-# The package as a wheel, built once for both targets.
+# The package as a wheel, built once for both targets: every package pyproject.toml lists
+# (the CLI imports simulator to build its parser). The images install it without extras: the
+# runtime only, no test tools, transformers or grpcio-tools.
 FROM base AS wheel
 COPY pyproject.toml README.md ./
 COPY pagedserve pagedserve
@@ -29,6 +31,7 @@ COPY control_plane control_plane
 COPY gpu_worker gpu_worker
 COPY kernels kernels
 COPY gateway gateway
+COPY simulator simulator
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM base AS cpu
