@@ -630,20 +630,25 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
-    """Each option's help ends with its default, unless it has none to show (None, False,
-    an empty list) or already says it."""
+    """Each option's help ends with its default as it would be typed (a list comma-separated),
+    unless it has none to show (None, False, an empty list), already says it, or is a flag
+    without a value (--no-x's default, True, would read as if --no-x were on)."""
 
     def _format_action(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
         if (
             action.option_strings
+            and action.nargs != 0
             and not any(default is x for x in (None, False, argparse.SUPPRESS))
             and default != []
             and "default" not in text
         ):
+            if isinstance(default, list | tuple):
+                default = ",".join(str(x) for x in default)
             action = copy.copy(action)
-            action.help = f"{text} (default: %(default)s)".strip()
+            shown = str(default).replace("%", "%%")  # the help is a %-format
+            action.help = f"{text} (default: {shown})".strip()
         return super()._format_action(action)
 
 

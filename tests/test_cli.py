@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,6 +123,7 @@ def _parsers(
 def test_help_shows_defaults_and_env_hints() -> None:
     parsers = dict(_parsers(build_parser()))
     assert {"pagedserve up", "pagedserve gateway", "pagedserve model init"} <= set(parsers)
+    assert {"pagedserve bench serve", "pagedserve simulate"} <= set(parsers)
     for name, p in parsers.items():
         text = " ".join(p.format_help().split())
         for action in p._actions:
@@ -130,10 +132,21 @@ def test_help_shows_defaults_and_env_hints() -> None:
                 continue
             if any(default is x for x in (None, False, argparse.SUPPRESS)):
                 continue
+            if action.nargs == 0:  # a flag: its default is "not given", not shown
+                continue
+            if isinstance(default, list | tuple):
+                default = ",".join(map(str, default))
             assert f"(default: {default})" in text, (name, action.option_strings)
+        # A default reads as what one would type: no reprs, no "True" beside a --no-x flag.
+        assert "(default: True)" not in text, name
+        assert not re.search(r"\(default: [\[(]|\(default: \w+\(", text), name
     gateway = " ".join(parsers["pagedserve gateway"].format_help().split())
     assert "--port PORT [env PAGEDSERVE_PORT] (default: 8000)" in gateway
     assert "(default: 0.0)" in " ".join(parsers["pagedserve generate"].format_help().split())
+    bench = " ".join(parsers["pagedserve bench serve"].format_help().split())
+    assert "N or LO:HI (default: 32:256)" in bench and "(default: inf)" in bench
+    simulate = " ".join(parsers["pagedserve simulate"].format_help().split())
+    assert "(default: kv-aware)" in simulate and "(default: 1.0)" in simulate
 
 
 def test_parse_bytes() -> None:

@@ -77,10 +77,17 @@ def register_bench(sub: Any) -> None:
     s.add_argument("--arrival", choices=["poisson", "burst"], default="poisson")
     s.add_argument("--burst-size", type=int, default=8, help="requests per burst (--arrival burst)")
     s.add_argument("--max-concurrency", type=int, default=None)
-    s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    s.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let a completion end at the model's EOS; without it, each runs to its max_tokens",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--num-warmup", type=int, default=1)
-    s.add_argument("--no-progress", dest="progress", action="store_false")
+    s.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="print no progress line"
+    )
     s.add_argument("--out", type=Path, default=None, help="JSON report path")
     s.add_argument("--plot", type=Path, default=None, help="write a PNG of the results")
     s.set_defaults(func=cmd_bench_serve)

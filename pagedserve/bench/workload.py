@@ -34,6 +34,10 @@ class LengthRange:
     def draw(self, rng: random.Random) -> int:
         return rng.randint(self.lo, self.hi)
 
+    def __str__(self) -> str:
+        """As it is typed (`--help` shows a default so): `N` or `LO:HI`."""
+        return str(self.lo) if self.lo == self.hi else f"{self.lo}:{self.hi}"
+
 
 @dataclass(frozen=True)
 class BenchRequest:
