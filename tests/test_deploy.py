@@ -200,6 +200,36 @@ def test_compose_worker_runs_on_cpu_without_a_profile_and_the_gpu_file_moves_it(
     assert deps["worker"] == {"condition": "service_healthy"}
 
 
+def test_each_gpu_worker_container_gets_gpus_of_its_own(
+    compose_gpu: dict[str, Any], manifests: list[dict[str, Any]]
+) -> None:
+    """Docker answers a device request for `count: N` with the first N GPUs, so worker
+    containers that each asked for `count: 1` would all run on GPU 0: compose names each
+    worker's GPUs by id, one per tensor-parallel rank, no id in two workers. Kubernetes' device
+    plugin gives each pod GPUs no other pod holds: a worker pod asks for one per rank."""
+    seen: list[str] = []
+    workers = [s for s in compose_gpu["services"].values() if s["command"][0] == "worker"]
+    assert workers
+    for svc in workers:
+        [request] = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in request
+        ids = [str(i) for i in request["device_ids"]]
+        # (as compose reads it with the variable unset)
+        assert len(ids) == int(svc["environment"]["PAGEDSERVE_TENSOR_PARALLEL_SIZE"])
+        seen += ids
+    assert len(seen) == len(set(seen))
+
+    tp_size = int(
+        _by_kind(manifests, "ConfigMap")["pagedserve-worker"]["data"][
+            "PAGEDSERVE_TENSOR_PARALLEL_SIZE"
+        ]
+    )
+    sts = _by_kind(manifests, "StatefulSet")["pagedserve-worker"]
+    resources = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"]
+    assert resources["limits"]["nvidia.com/gpu"] == tp_size
+
+
 # -- kubernetes -----------------------------------------------------------------------------------
 
 
