@@ -97,7 +97,7 @@ RENDERED_TURNS = (
     "<|im_start|>assistant\n"
     '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
     '{"name": "get_time", "arguments": {"timezone": "CET"}}]</tool_call><|im_end|>\n'
-    "<|im_start|>user\n"
+    "<|im_start|>tool\n"
     '<tool_response name="get_weather">\n21 C, sunny\n</tool_response>\n'
     '<tool_response name="get_time">\n12:00\n</tool_response><|im_end|>\n'
     "<|im_start|>assistant\n"
@@ -425,7 +425,7 @@ def test_up_default_model_answers_tool_choice_auto(tmp_path: Path) -> None:
             text = rendered(http, messages=turn, tools=[WEATHER, TIME])
             assert text.endswith(
                 '<|im_start|>assistant\n<tool_call>[{"name": "get_weather", "arguments": '
-                '{"city": "Paris"}}]</tool_call><|im_end|>\n<|im_start|>user\n'
+                '{"city": "Paris"}}]</tool_call><|im_end|>\n<|im_start|>tool\n'
                 '<tool_response name="get_weather">\n21 C, sunny\n</tool_response><|im_end|>\n'
                 "<|im_start|>assistant\n"
             ), text
