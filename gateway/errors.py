@@ -126,6 +126,25 @@ _UNION_SHAPES = {
 }
 
 
+# pydantic's range errors: the ctx key of the bound and the words its message uses.
+_BOUNDS = {
+    "greater_than": ("gt", "greater than"),
+    "greater_than_equal": ("ge", "greater than or equal to"),
+    "less_than": ("lt", "less than"),
+    "less_than_equal": ("le", "less than or equal to"),
+}
+
+
+def _bound_message(kind: str, ctx: dict[str, Any]) -> str | None:
+    """A range error with a float bound written short (float32's smallest normal number as
+    1.18e-38): pydantic writes it out in full, 40 digits. None to keep pydantic's message."""
+    key, words = _BOUNDS.get(kind, ("", ""))
+    bound = ctx.get(key)
+    if not isinstance(bound, float) or len(repr(bound)) <= 12:
+        return None
+    return f"Input should be {words} {bound:.3g}"
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -147,6 +166,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body must be a JSON object (Content-Type: application/json)", None
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    msg = _bound_message(kind, first.get("ctx") or {}) or msg
     if in_union and loc and loc[-1] in _UNION_SHAPES:
         return f"{param}: expected {_UNION_SHAPES[loc[-1]]}", param
     if len(errors) > 1:
