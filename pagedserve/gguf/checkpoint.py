@@ -75,12 +75,26 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     try:
         reader = GGUFReader(file)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
-        raise GGUFError(
-            f"{file} is not a readable GGUF file (corrupt or truncated?): {exc}"
-        ) from exc
+        raise GGUFError(_unreadable(file)) from exc
     ckpt = GGUFCheckpoint(file, reader)
     ckpt.validate()
     return ckpt
+
+
+def _unreadable(file: Path) -> str:
+    """Why the gguf reader gave up on `file`, in the file's terms: numpy's own words ("index 0
+    is out of bounds for axis 0 with size 0") say nothing about a GGUF."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if not head:
+        return f"{file} is empty: not a GGUF file (a download that did not finish?)"
+    if not GGUF_MAGIC.startswith(head):  # a few bytes of the magic are a truncated file too
+        return f"{file} is not a GGUF file: it does not start with the bytes {GGUF_MAGIC!r}"
+    return (
+        f"{file} is truncated or corrupt: its {size:,} byte(s) do not read as a GGUF file's "
+        "header, metadata, tensor table and tensor data (a download that did not finish?)"
+    )
 
 
 @dataclass
@@ -101,7 +115,7 @@ class GGUFCheckpoint:
                 out[key] = field.contents()
             except (ValueError, IndexError, UnicodeDecodeError) as exc:
                 raise GGUFError(
-                    f"{self.path}: metadata field {key!r} is unreadable: {exc}"
+                    f"{self.path} is corrupt: its metadata field {key!r} does not parse"
                 ) from exc
         return out
 
@@ -157,7 +171,10 @@ class GGUFCheckpoint:
         size = self.path.stat().st_size
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > size:
-                raise GGUFError(f"{self.path}: tensor {t.name} runs past the end of the file")
+                raise GGUFError(
+                    f"{self.path} is truncated or corrupt: tensor {t.name} runs past the end of "
+                    f"the file ({size:,} bytes)"
+                )
         gt.check_tensors(self)
         self.tokenizer_source  # noqa: B018 -- raises GGUFError for an unsupported tokenizer
         self.hf_config()  # raises GGUFError for shapes or features that cannot be served
