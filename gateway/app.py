@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -15,7 +15,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from gateway.choices import Budget, Choice, expand_choices, sampling_proto, stream_choices
+from gateway.bodies import document_models, read_body, request_body_doc
+from gateway.choices import (
+    Budget,
+    Choice,
+    expand_choices,
+    fill_chat,
+    prompt_requests,
+    sampling_proto,
+    stream_choices,
+)
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_grpc, install_handlers
 from gateway.generate import respond
@@ -27,8 +36,6 @@ from gateway.protocol import (
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
-    message_fields,
-    template_kwargs_json,
     tools_json,
 )
 from gateway.responses import ChatFormat, CompletionFormat, Format
@@ -136,7 +143,7 @@ class Gateway:
             self._default_model = models[0].id
         return self._default_model, ""
 
-    async def prompt_text(self, token_ids: list[int]) -> str:
+    async def prompt_text(self, token_ids: Iterable[int]) -> str:
         """A token-id prompt as text (what `echo` shows)."""
         req = pb.DetokenizeRequest(token_ids=token_ids)
         resp = await self.upstream_call(self.upstream.detokenize(req))
@@ -209,13 +216,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         "/v1/completions",
         response_model=CompletionResponse,
         responses={**_ERRORS, 200: sse_response(CompletionChunk)},
+        openapi_extra=request_body_doc(CompletionRequest),
     )
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        _log_ignored(body)
-        body.check()
+    async def completions(request: Request) -> Response:
+        parsed = await read_body(request, CompletionRequest, _checked(prompt_requests))
+        body, prompts = parsed.body, parsed.prepared
         shown, upstream_model = await gw.model_names(body.model)
         rid = request_id_of(request.scope)
-        prompts: list[str | list[int]] = list(body.prompts())
         sampling = sampling_proto(body, body.logprobs)
         _beam_search(body, sampling)
         if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs
@@ -224,9 +231,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if sampling.HasField("prompt_logprobs"):
             for prompt in prompts:
                 count = (
-                    len(prompt)
-                    if not isinstance(prompt, str)
-                    else await gw.prompt_length(prompt, body.add_special_tokens)
+                    len(prompt.token_ids.ids)
+                    if prompt.HasField("token_ids")
+                    else await gw.prompt_length(prompt.text, body.add_special_tokens)
                 )
                 prompt_entries += body.n * count * (1 + sampling.prompt_logprobs)
         gw.budget.check(
@@ -239,16 +246,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
         single = len(prompts) == 1
         choices: list[Choice] = []
         echo: dict[int, str] = {}
-        for i, prompt in enumerate(prompts):
-            base = pb.GenerateRequest(
-                model=upstream_model, sampling=sampling, add_special_tokens=body.add_special_tokens
-            )
-            if isinstance(prompt, str):
-                base.text = prompt
-            else:
-                base.token_ids.ids.extend(prompt)
+        for i, base in enumerate(prompts):
+            base.model = upstream_model
+            base.sampling.CopyFrom(sampling)
             if body.echo:
-                text = prompt if isinstance(prompt, str) else await gw.prompt_text(prompt)
+                text = (
+                    await gw.prompt_text(base.token_ids.ids)
+                    if base.HasField("token_ids")
+                    else base.text
+                )
                 echo.update(dict.fromkeys(range(i * body.n, (i + 1) * body.n), text))
             choices += expand_choices(base, body.n, i * body.n, rid, single)
         fmt = CompletionFormat(
@@ -260,10 +266,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
         responses={**_ERRORS, 200: sse_response(ChatCompletionChunk)},
+        openapi_extra=request_body_doc(ChatCompletionRequest),
     )
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _log_ignored(body)
-        body.check()
+    async def chat_completions(request: Request) -> Response:
+        parsed = await read_body(request, ChatCompletionRequest, _checked(_chat_request))
+        body, base = parsed.body, parsed.prepared
         shown, upstream_model = await gw.model_names(body.model)
         rid = request_id_of(request.scope)
         logprobs = body.logprobs_k()
@@ -271,11 +278,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gw.budget.check(1, body.n, body.effective_max_tokens(), logprobs)
         sampling = sampling_proto(body, logprobs)
         _beam_search(body, sampling)
-        base = pb.GenerateRequest(model=upstream_model, sampling=sampling)
-        base.chat.add_generation_prompt = body.add_generation_prompt
-        base.chat.messages.extend(pb.ChatMessage(**m) for m in message_fields(body.messages))
-        base.chat.tools_json = body.tools_json()
-        base.chat.chat_template_kwargs_json = template_kwargs_json(body.chat_template_kwargs)
+        base.model = upstream_model
+        base.sampling.CopyFrom(sampling)
         choices = expand_choices(base, body.n, 0, rid, True)
         fmt = ChatFormat(
             f"chatcmpl-{rid}",
@@ -300,26 +304,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
         ]
         return ModelList(data=data)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    @app.post(
+        "/tokenize",
+        response_model=TokenizeResponse,
+        responses=_ERRORS,
+        openapi_extra=request_body_doc(TokenizeRequest),
+    )
+    async def tokenize(request: Request) -> TokenizeResponse:
         """The prompt's token ids as a completion (`prompt`) or a chat (`messages`) sees them."""
-        _log_ignored(body)
-        body.check()
-        _, upstream_model = await gw.model_names(body.model)
-        req = pb.TokenizeRequest(
-            model=upstream_model, return_token_strs=bool(body.return_token_strs)
-        )
-        if body.messages is not None:
-            req.chat.add_generation_prompt = body.add_generation_prompt
-            req.chat.messages.extend(pb.ChatMessage(**m) for m in message_fields(body.messages))
-            if body.tools:
-                req.chat.tools_json = tools_json(body.tools)
-            req.chat.chat_template_kwargs_json = template_kwargs_json(body.chat_template_kwargs)
-        else:
-            assert body.prompt is not None
-            req.text = body.prompt
-            if body.add_special_tokens is not None:
-                req.add_special_tokens = body.add_special_tokens
+        parsed = await read_body(request, TokenizeRequest, _checked(_tokenize_request))
+        body, req = parsed.body, parsed.prepared
+        _, req.model = await gw.model_names(body.model)
         try:
             resp = await gw.upstream_call(gw.upstream.tokenize(req))
         except APIError as err:
@@ -336,12 +331,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
             token_strs=list(resp.token_strs) if body.return_token_strs else None,
         )
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+    @app.post(
+        "/detokenize",
+        response_model=DetokenizeResponse,
+        responses=_ERRORS,
+        openapi_extra=request_body_doc(DetokenizeRequest),
+    )
+    async def detokenize(request: Request) -> DetokenizeResponse:
         """The text of token ids, special tokens included."""
-        _log_ignored(body)
-        _, upstream_model = await gw.model_names(body.model)
-        req = pb.DetokenizeRequest(model=upstream_model, token_ids=body.tokens)
+        parsed = await read_body(request, DetokenizeRequest, _detokenize_request)
+        body, req = parsed.body, parsed.prepared
+        _, req.model = await gw.model_names(body.model)
         resp = await gw.upstream_call(gw.upstream.detokenize(req))
         return DetokenizeResponse(prompt=resp.text)
 
@@ -384,13 +384,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     op.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
-            # The stream events' shapes, which the text/event-stream descriptions name.
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionChunk, ChatCompletionChunk):
-                event = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                for name, sub in event.pop("$defs", {}).items():
-                    components.setdefault(name, sub)
-                components[model.__name__] = event
+            # The request bodies (which the routes read themselves, off the event loop when
+            # large), and the stream events' shapes that the text/event-stream descriptions name.
+            document_models(schema, [*_BODIES, CompletionChunk, ChatCompletionChunk])
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -443,6 +439,47 @@ def _name_param(err: APIError, body: SamplingFields) -> None:
         err.param = "tools"
     elif first in _TEMPLATE_FIELDS:
         err.param = first
+
+
+_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+Checked = TypeVar("Checked", CompletionRequest, ChatCompletionRequest, TokenizeRequest)
+
+
+def _checked(prepare: Callable[[Checked], T]) -> Callable[[Checked], T]:
+    """`prepare` after the body's unknown fields are logged and its cross-field rules checked
+    (`check()`, a 400), all where `read_body` runs it."""
+
+    def run(body: Checked) -> T:
+        _log_ignored(body)
+        body.check()
+        return prepare(body)
+
+    return run
+
+
+def _chat_request(body: ChatCompletionRequest) -> pb.GenerateRequest:
+    """The chat's GenerateRequest but for its model and sampling."""
+    req = pb.GenerateRequest()
+    fill_chat(req.chat, body, body.tools_json())
+    return req
+
+
+def _tokenize_request(body: TokenizeRequest) -> pb.TokenizeRequest:
+    """The TokenizeRequest but for its model."""
+    req = pb.TokenizeRequest(return_token_strs=bool(body.return_token_strs))
+    if body.messages is not None:
+        fill_chat(req.chat, body, tools_json(body.tools) if body.tools else "")
+    else:
+        assert body.prompt is not None
+        req.text = body.prompt
+        if body.add_special_tokens is not None:
+            req.add_special_tokens = body.add_special_tokens
+    return req
+
+
+def _detokenize_request(body: DetokenizeRequest) -> pb.DetokenizeRequest:
+    _log_ignored(body)
+    return pb.DetokenizeRequest(token_ids=body.tokens)
 
 
 def _log_ignored(body: Any) -> None:

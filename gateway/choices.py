@@ -16,7 +16,15 @@ import structlog
 
 from gateway.errors import APIError, bad_request, from_grpc
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import Constraint, SamplingFields
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Constraint,
+    SamplingFields,
+    TokenizeRequest,
+    message_fields,
+    template_kwargs_json,
+)
 from gateway.upstream import Inbox, Stalled, Upstream
 from pagedserve.log import get_logger
 from protos.v1 import common_pb2
@@ -100,16 +108,48 @@ def constraint_proto(c: Constraint) -> common_pb2.StructuredOutput:
     return msg
 
 
+# Token ids copied into a protobuf per call. The body's prompts are made into protobufs off
+# the event loop (gateway.bodies), where a call that holds the GIL long stalls the loop as
+# long: a million ids in one call held it for 25 ms.
+_IDS_PER_CALL = 1 << 16
+
+
+def prompt_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per prompt, holding only the prompt (text or token ids)."""
+    out = []
+    for prompt in body.prompts():
+        req = pb.GenerateRequest(add_special_tokens=body.add_special_tokens)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            for start in range(0, len(prompt), _IDS_PER_CALL):
+                req.token_ids.ids.extend(prompt[start : start + _IDS_PER_CALL])
+        out.append(req)
+    return out
+
+
+def fill_chat(
+    chat: pb.ChatPrompt, body: ChatCompletionRequest | TokenizeRequest, tools_json: str
+) -> None:
+    """Writes the messages, and what the chat template renders beside them, into `chat`: in
+    place and a message at a time, which keeps each call short (see _IDS_PER_CALL)."""
+    assert body.messages is not None
+    for fields in message_fields(body.messages):
+        chat.messages.add(**fields)
+    chat.add_generation_prompt = body.add_generation_prompt
+    chat.tools_json = tools_json
+    chat.chat_template_kwargs_json = template_kwargs_json(body.chat_template_kwargs)
+
+
 def expand_choices(
-    base: pb.GenerateRequest, n: int, first_index: int, request_id: str, single: bool
+    req: pb.GenerateRequest, n: int, first_index: int, request_id: str, single: bool
 ) -> list[Choice]:
-    """The Generate call for one prompt's n choices. The request id is `request_id` for a lone
-    prompt, `request_id-<first choice index>` in a batch, so every upstream request is unique
-    and traceable; a batch's requests carry its id as `batch_id` (they count once against the
-    waiting queue's limit). With a seed, the control plane gives each of the n its own seed
-    stream."""
-    req = pb.GenerateRequest()
-    req.CopyFrom(base)
+    """The Generate call for one prompt's n choices: `req`, a request of its own (a prompt
+    can hold a million token ids: it is not copied), with its ids set. The request id is
+    `request_id` for a lone prompt, `request_id-<first choice index>` in a batch, so every
+    upstream request is unique and traceable; a batch's requests carry its id as `batch_id`
+    (they count once against the waiting queue's limit). With a seed, the control plane gives
+    each of the n its own seed stream."""
     req.request_id = request_id if single else f"{request_id}-{first_index}"
     if not single:
         req.batch_id = request_id

@@ -167,27 +167,30 @@ class _Body(BaseModel):
 
 class _Request(_Body):
     """A whole request body. Before any field is validated, its long lists are counted
-    (`MAX_COUNTS`, a 400 naming the field) and then its strings and nesting checked, each once
-    for the whole body: what follows walks every item, so a list past its bound costs no
-    more than its parsing."""
+    (`check_counts`) and then its strings and nesting checked, once for the whole body: what
+    follows walks every item, so a list past its bound costs no more than its parsing."""
 
-    MAX_COUNTS: ClassVar[dict[str, tuple[int, str]]] = {}  # field -> (most items, their name)
+    # field -> (most items, what they are): a longer list is a 400 naming the field.
+    MAX_COUNTS: ClassVar[dict[str, tuple[int, str]]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _bounds(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, (limit, items) in cls.MAX_COUNTS.items():
-                _check_count(name, data.get(name), limit, items)
+            cls.check_counts(data)
         check_json_value(data)
         return data
 
+    @classmethod
+    def check_counts(cls, data: dict[str, Any]) -> None:
+        for name, (limit, items) in cls.MAX_COUNTS.items():
+            _check_count(name, data.get(name), limit, items)
+
 
 def _check_count(param: str, value: Any, limit: int, items: str) -> None:
+    """400 for a list `value` longer than `limit`, looking at none of its items."""
     if isinstance(value, list) and len(value) > limit:
-        raise bad_request(
-            f"{param}: {len(value)} {items}, more than the {limit} a request may hold", param
-        )
+        raise bad_request(f"{param}: {len(value)} {items}, more than the limit of {limit}", param)
 
 
 class StreamOptions(_Body):
@@ -463,6 +466,16 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
+    MAX_COUNTS = {"prompt": (MAX_PROMPT_TOKEN_IDS, "token ids")}
+
+    @classmethod
+    def check_counts(cls, data: dict[str, Any]) -> None:
+        super().check_counts(data)
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            for ids in prompt:  # a batch: each prompt on its own
+                _check_count("prompt", ids, MAX_PROMPT_TOKEN_IDS, "token ids in one prompt")
+
     def prompts(self) -> list[str] | list[list[int]]:
         p = self.prompt
         if isinstance(p, str):
@@ -551,7 +564,7 @@ def message_texts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     return out
 
 
-Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=65536)]
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class FunctionDefinition(_Body):
@@ -636,6 +649,8 @@ def template_kwargs_json(kwargs: dict[str, Any] | None) -> str:
 
 
 class ChatCompletionRequest(SamplingFields):
+    MAX_COUNTS = {"messages": (MAX_MESSAGES, "messages")}
+
     messages: Messages
     max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
     logprobs: bool = False
@@ -736,8 +751,10 @@ class ChatCompletionRequest(SamplingFields):
         return out
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """vLLM's /tokenize: a `prompt`, or `messages` rendered with the chat template."""
+
+    MAX_COUNTS = {"messages": (MAX_MESSAGES, "messages")}
 
     model: Annotated[str, Field(max_length=512)] | None = None
     prompt: Annotated[str, Field(min_length=1)] | None = None
@@ -773,6 +790,8 @@ class TokenizeRequest(_Body):
         message_texts(self.messages)
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
+    MAX_COUNTS = {"tokens": (MAX_PROMPT_TOKEN_IDS, "token ids")}
+
     model: Annotated[str, Field(max_length=512)] | None = None
-    tokens: list[TokenId]
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
