@@ -1,5 +1,5 @@
 """Which chat template the control plane renders chats with: the one `--chat-template` gives
-(a file, or the template itself inline, as vLLM takes it), else a template shipped here for a
+(a file, or the template itself inline: vLLM's rule for telling them apart), else a template shipped here for a
 checkpoint whose own template cannot render tools, else the checkpoint's.
 
 Shipped templates live in `control_plane/templates/`. Each stands in for a checkpoint template

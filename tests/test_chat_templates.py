@@ -44,7 +44,7 @@ from tests.procs import ServerProcess, drain, free_port, read_until
 from tests.stack import start_stack
 
 CHAT = "/v1/chat/completions"
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -56,7 +56,7 @@ WEATHER = {
         },
     },
 }
-TIME = {
+TIME: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_time",
@@ -326,7 +326,8 @@ def test_control_plane_renders_its_chat_template_file(custom_gateway: HttpProces
         body = {"messages": USER, "tools": [WEATHER], "max_tokens": 2}
         r = http.post(CHAT, json={**body, "chat_template_kwargs": {"greeting": "Hi"}})
         assert r.status_code == 200, r.text
-        for bad in ({"messages": []}, {"x": "</s>"}):
+        bad_kwargs: list[dict[str, Any]] = [{"messages": []}, {"x": "</s>"}]
+        for bad in bad_kwargs:
             for path, req in ((CHAT, body), ("/tokenize", {"messages": USER})):
                 r = http.post(path, json={**req, "chat_template_kwargs": bad})
                 assert r.status_code == 400, r.text
