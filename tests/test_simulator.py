@@ -21,7 +21,7 @@ from simulator.cluster import Simulation, next_pow2
 from simulator.config import SimConfig
 from simulator.cost import CostModel, DeviceProfile, ReplayedCost, resolve_profile
 from simulator.hardware import MODELS, ModelShape, resolve_gpu, resolve_model
-from simulator.report import summarize, sustained_rate
+from simulator.report import HEADERS, format_table, summarize, sustained_rate, table_row
 from simulator.workload import LENGTHS, SimRequest, Workload, WorkloadSpec, trace_requests
 
 REPO = Path(__file__).resolve().parent.parent
@@ -340,6 +340,34 @@ def test_sustained_rate_is_the_last_rate_under_the_threshold() -> None:
             for r, v in ((1, 0.1), (2, 0.2), (3, 0.9), (4, 0.3))]  # fmt: skip
     assert sustained_rate(runs, 0.5) == 2.0
     assert sustained_rate(runs, 0.05) is None
+
+
+def _uniform(rate: float, n: int, output: int) -> list[SimRequest]:
+    return [SimRequest(f"r{i}", i / rate, [3 + (i * 7 + j) % 1000 for j in range(64)], output)
+            for i in range(n)]  # fmt: skip
+
+
+def test_the_tables_throughput_leaves_the_drain_out() -> None:
+    """Under capacity the table's req/s is the offered rate, however long the drain after the
+    last arrival; over it, the capacity. The whole-run figure (bench serve's) reads below the
+    rate in both."""
+    # 4 req/s for 20 s, each 1000 tokens (~8 s): the drain is long against the arrivals.
+    under = _sim(_uniform(4.0, 80, 1000), device="H100", max_model_len=2048)
+    assert under["steady_request_throughput"] == pytest.approx(4.0, rel=0.1)
+    assert under["request_throughput"] < 0.8 * 4.0
+    row = table_row({"allocation": "paged", "routing": "kv-aware", "rate": 4.0, "summary": under})
+    assert row[HEADERS.index("req/s")] == f"{under['steady_request_throughput']:.2f}"
+    # Two sequences at a time, 200 tokens each: about 5 req/s at most, against 20 offered.
+    over = _sim(_uniform(20.0, 200, 200), device="H100", max_model_len=2048, max_num_seqs=2)
+    capacity = over["steady_request_throughput"]
+    assert 0.0 < capacity < 0.5 * 20.0
+    assert over["steady_output_throughput"] == pytest.approx(200 * capacity)
+    # A burst has no arrival period: the whole run is its drain.
+    burst = _sim(_fixed_requests(8, 16, 16), device="H100", max_model_len=2048)
+    assert burst["steady_window_s"] is None
+    assert burst["steady_request_throughput"] == burst["request_throughput"]
+    assert "drain" in format_table([{"allocation": "paged", "routing": "kv-aware", "rate": 4.0,
+                                     "summary": under}])  # fmt: skip
 
 
 # -- the command line ----------------------------------------------------------------------------
