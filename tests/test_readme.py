@@ -179,6 +179,22 @@ def _run(example: Example, ports: dict[str, str], tmp_path: Path) -> str:
     return out.stdout
 
 
+def test_the_readme_names_every_port_flag_of_up() -> None:
+    import argparse
+
+    from pagedserve.cli import build_parser
+
+    (subcommands,) = [
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ]
+    up = subcommands.choices["up"]
+    flags = {o for a in up._actions for o in a.option_strings if o.endswith("port")}
+    assert {"--port", "--grpc-port", "--worker-base-port", "--redis-port"} <= flags
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Try it") :]
+    assert not [f for f in sorted(flags) if f"`{f}`" not in section]
+
+
 def test_the_readme_shows_examples() -> None:
     kinds = {(e.lang, e.output_lang) for e in readme_examples()}
     assert {("bash", "json"), ("python", "text"), ("bash", "text")} <= kinds
