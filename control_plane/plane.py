@@ -17,6 +17,7 @@ import grpc
 
 from control_plane.config import ControlPlaneConfig
 from control_plane.engine import EngineLoop
+from control_plane.grammar_check import GrammarChecker, GrammarTimeout
 from control_plane.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
 from control_plane.request import RequestStatus
 from control_plane.router import Router
@@ -40,7 +41,7 @@ REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 # Prompts are tokenized on these threads, never on the event loop the engine loops share; the
 # tokenizer releases the GIL, and two threads bound the CPU a burst of long prompts can take.
 TOKENIZE_THREADS = 2
-GRAMMAR_THREADS = 2
+GRAMMAR_CHECK_PROCESSES = 2
 
 
 class WorkersUnreachable(RuntimeError):
@@ -81,8 +82,10 @@ class ControlPlane:
         self._register_lock = asyncio.Lock()
         self._startup_error: BaseException | None = None
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
-        # Structured output: constraints are parsed (checked) on these threads.
-        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
+        # Structured output: constraints are parsed (checked) in these child processes.
+        self._grammar_checker = GrammarChecker(
+            GRAMMAR_CHECK_PROCESSES, config.grammar_compile_timeout_s
+        )
         self._checked: dict[StructuredOutput, InvalidRequestError | None] = {}
         # Compilations asked of each worker (a done task: compiled there).
         self._prepared: dict[tuple[str, int, StructuredOutput], asyncio.Future[None]] = {}
@@ -212,7 +215,7 @@ class ControlPlane:
         for loop in self.loops:
             await loop.stop()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_checker.close()
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -351,15 +354,9 @@ class ControlPlane:
         naming the field and the reason for one that cannot compile, before any worker sees
         it."""
         if constraint not in self._checked:
-            work = asyncio.get_running_loop().run_in_executor(
-                self._grammar_pool, grammar.check, constraint
-            )
             try:
-                await asyncio.wait_for(work, self.config.grammar_compile_timeout_s)
-                self._checked[constraint] = None
-            except InvalidRequestError as exc:
-                self._checked[constraint] = exc
-            except TimeoutError:  # not kept: a loaded moment is no verdict on the constraint
+                self._checked[constraint] = await self._grammar_checker.check(constraint)
+            except GrammarTimeout:  # not kept: a loaded moment is no verdict on the constraint
                 raise self._too_slow(constraint) from None
             while len(self._checked) > grammar.CACHE_SIZE:
                 del self._checked[next(iter(self._checked))]

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from pagedserve import grammar_bounds
 from pagedserve.sampling_params import InvalidRequestError, StructuredOutput
 
 if TYPE_CHECKING:  # the masks are the worker's; the control plane runs without torch
@@ -134,10 +135,12 @@ def _anchor(pattern: str) -> str:
 
 
 def grammar_text(constraint: StructuredOutput) -> str:
-    """The constraint as an llguidance grammar; InvalidRequestError if it cannot be one."""
+    """The constraint as an llguidance grammar; InvalidRequestError if it cannot be one, or
+    if it is past a bound of `grammar_bounds` (what the library's compiler can take)."""
     import llguidance as llg
 
     c = constraint
+    grammar_bounds.bound(c.kind, _FIELD[c.kind], c.spec)
     try:
         if c.kind == "json_schema":
             return str(
@@ -162,7 +165,8 @@ def check(constraint: StructuredOutput) -> None:
     the reason."""
     import llguidance as llg
 
-    error = llg.LLMatcher.validate_grammar(grammar_text(constraint))
+    text = grammar_text(constraint)
+    error = grammar_bounds.on_deep_stack(llg.LLMatcher.validate_grammar, text)
     if error:
         raise _refusal(constraint, error)
 
@@ -229,7 +233,10 @@ class GrammarCompiler:
         return hit
 
     def _compile(self, constraint: StructuredOutput) -> Any:
-        matcher = self._llg.LLMatcher(self._tokenizer, grammar_text(constraint), log_level=0)
+        text = grammar_text(constraint)
+        matcher = grammar_bounds.on_deep_stack(
+            self._llg.LLMatcher, self._tokenizer, text, log_level=0
+        )
         if matcher.is_error():
             raise _refusal(constraint, matcher.get_error())
         return matcher
