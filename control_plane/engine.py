@@ -31,7 +31,7 @@ from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.request import Request, RequestStatus
 from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConfig
 from control_plane.tokenizer import LoadedTokenizer
-from control_plane.worker_client import Probe, WorkerClient, WorkerError
+from control_plane.worker_client import Probe, WorkerClient, WorkerError, WorkerRefusal
 from pagedserve.log import get_logger
 from pagedserve.plan import PromptLogprobRun, SampledToken, StepPlan, StepResult, StepShape
 from pagedserve.sampling_params import InvalidRequestError
@@ -529,6 +529,9 @@ class EngineLoop:
             self._collect_prompt_logprobs(result.prompt_logprobs)
         for req_id, why in result.failed.items():  # before update, which then skips them
             self._fail_request(req_id, InvalidRequestError(f"structured output failed: {why}"))
+        for req_id, why in result.refused.items():
+            log.error("request_refused_by_worker", request_id=req_id, reason=why)
+            self._fail_request(req_id, WorkerRefusal(f"the worker could not run it: {why}"))
         deltas = self.scheduler.update(plan, result)
         self._cache_events += self.scheduler.block_manager.drain_events()
         self._publish(deltas)

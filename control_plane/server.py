@@ -22,7 +22,7 @@ from control_plane.engine import OutputChunk, RequestStream, merge_chunks
 from control_plane.plane import AdmissionError, ControlPlane
 from control_plane.request import Request
 from control_plane.tokenizer import LoadedTokenizer
-from control_plane.worker_client import WorkerError
+from control_plane.worker_client import WorkerError, WorkerRefusal
 from pagedserve import grpc_security, wire
 from pagedserve.heap import freeze_heap
 from pagedserve.log import get_logger
@@ -47,6 +47,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, WorkerError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, WorkerRefusal):
+        return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 

@@ -37,6 +37,11 @@ class WorkerError(RuntimeError):
     """The worker stream failed; every request on it must be failed or recomputed."""
 
 
+class WorkerRefusal(RuntimeError):
+    """The worker could not run a request's part of a plan (it contradicted the worker's
+    state): that request fails, and the stream goes on."""
+
+
 class WorkerClient:
     def __init__(self, address: str, *, security: GrpcSecurity = INSECURE) -> None:
         self.address = address

@@ -29,7 +29,7 @@ from pagedserve.plan import (
     StepPlan,
     StepResult,
 )
-from pagedserve.sampling_params import SamplingParams, beam_candidates
+from pagedserve.sampling_params import InvalidRequestError, SamplingParams, beam_candidates
 
 log = get_logger(__name__)
 
@@ -74,6 +74,9 @@ class RequestState:
     # and its matcher's error (`outside_grammar`) is the beam's, not its request's.
     refused: frozenset[int] = frozenset()
     outside_grammar: bool = False
+    # Failed here (its grammar stopped, or would not compile): plans sent before the control
+    # plane learnt it still schedule it, and those rows are left out, until it is finished.
+    failed: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -128,26 +131,31 @@ class ModelRunner:
         self.cache.swap_in(plan.swap_in)
         self.cache.copy_blocks(plan.copy_blocks)
         self._fork_beams(plan)
+        result = StepResult(step_id=plan.step_id)
         for new in plan.new_requests:
-            self.requests[new.req_id] = RequestState(
+            st = self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling=new.sampling,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                matcher=self._matcher(new),
             )
+            try:
+                st.matcher = self._matcher(new)
+            except (InvalidRequestError, PlanError) as exc:  # its constraint does not compile
+                st.failed = True
+                result.failed[new.req_id] = str(exc)
         for cached in plan.cached_requests:
             st = self._state(cached.req_id)
             for move in cached.copied:
                 st.block_ids[st.block_ids.index(move.src)] = move.dst
             st.block_ids.extend(cached.new_block_ids)
 
-        result = StepResult(step_id=plan.step_id)
-        if plan.num_scheduled_tokens:
+        scheduled = plan.num_scheduled_tokens
+        if scheduled:
             t1 = time.perf_counter()
-            batch = self._build_batch(plan.num_scheduled_tokens)
+            batch = self._build_batch(scheduled)
             self.backend.begin_step(batch.layout)
             hidden = self.model(batch.input_ids, batch.positions, self.backend.forward)
             states = [self.requests[r] for r in batch.sample_req_ids]
@@ -164,12 +172,20 @@ class ModelRunner:
                         result.sampled = {
                             s.req_id: SampledToken(t) for s, t in zip(states, ids, strict=True)
                         }
-            result.prompt_logprobs = self._prompt_logprobs(plan.num_scheduled_tokens, hidden)
-            for req_id, n in plan.num_scheduled_tokens.items():
+            result.prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
+            for req_id, n in scheduled.items():
                 self.requests[req_id].num_computed_tokens += n
             failed = result.failed
+            dropped = []
             for req_id, tok in result.sampled.items():
                 st = self.requests[req_id]
+                if not st.sampling.beam_width:  # a beam's token comes with a later fork
+                    # Appended even to a failing request: a plan already on its way may
+                    # schedule its next token, and that row must stay valid (on every rank).
+                    st.token_ids.append(tok.token_id)
+                if st.failed:  # a row planned before the control plane learnt it
+                    dropped.append(req_id)
+                    continue
                 # A matcher in error (its parser's limits reached while its mask was made)
                 # allowed only the stop tokens: the token, or a beam's candidates, are no
                 # answer, and the request fails.
@@ -180,21 +196,33 @@ class ModelRunner:
                 ):
                     failed[req_id] = why
                     continue
-                if st.sampling.beam_width:  # a beam's token comes with a later fork
+                if st.sampling.beam_width:
                     continue
-                st.token_ids.append(tok.token_id)
                 # A terminated matcher's request has ended (the control plane learns it from
                 # this token's predecessor, EOS): a step planned meanwhile samples freely.
                 if st.matcher is not None and not st.matcher.terminated:
                     if not st.matcher.accept(tok.token_id):
                         log.error("token_outside_grammar", request_id=req_id, token=tok.token_id)
                         failed[req_id] = st.matcher.error() or "a token outside the grammar"
+            for req_id in dropped:
+                del result.sampled[req_id]
             for req_id, why in failed.items():
                 result.sampled.pop(req_id, None)
+                self.requests[req_id].failed = True
                 log.warning("structured_output_failed", request_id=req_id, reason=why)
             result.model_time_s = time.perf_counter() - t1
         result.total_time_s = time.perf_counter() - t0
         return result
+
+    def refuse(self, plan: StepPlan, why: str) -> StepResult:
+        """The answer to a plan that contradicts this worker's state (PlanError): every request
+        it names is forgotten here and refused in the result, so that the control plane fails
+        those requests alone and the stream goes on."""
+        named = {r.req_id for r in plan.new_requests} | {r.req_id for r in plan.cached_requests}
+        named |= plan.num_scheduled_tokens.keys() | {f.req_id for f in plan.beam_forks}
+        for req_id in named:
+            self.requests.pop(req_id, None)
+        return StepResult(step_id=plan.step_id, refused=dict.fromkeys(sorted(named), why))
 
     def grammar(self) -> GrammarCompiler:
         if self._grammar is None:
@@ -236,6 +264,7 @@ class ModelRunner:
                 num_computed_tokens=src.num_computed_tokens,
                 matcher=matcher,
                 outside_grammar=outside,
+                failed=src.failed,
             )
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, SampledToken]:

@@ -373,8 +373,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         # Plans go to the model thread as they arrive, so the step the control plane sent ahead
         # is queued there before this one's result is on its way back: no gap between steps.
+        closed = _StreamClosed()
         reader = threading.Thread(
-            target=self._read_plans, args=(request_iterator, steps), name="plans", daemon=True
+            target=self._read_plans,
+            args=(request_iterator, steps, closed),
+            name="plans",
+            daemon=True,
         )
         try:
             self.model.submit(self.worker.reset).result()
@@ -392,39 +396,57 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield result
             log.info("execute_stream_closed")
         finally:
-            # The stream has ended (or was cancelled), so the reader stops at its next read;
-            # the next stream must not see a plan of this one.
-            if reader.is_alive():
-                reader.join(timeout=STREAM_ACQUIRE_TIMEOUT_S)
-            self.model.submit(self.worker.reset)  # after any step still queued
+            # The reader may still wait for a plan the control plane will never send: it is
+            # not waited for (the call's status goes out as this returns), and it submits
+            # nothing after the reset below, so the next stream sees no plan of this one.
+            with closed.lock:
+                closed.closed = True
+                self.model.submit(self.worker.reset)  # after any step still queued
             self._stream_lock.release()
 
     def _read_plans(
         self,
         request_iterator: Iterator[worker_pb2.StepPlan],
         steps: queue.SimpleQueue[tuple[int, futures.Future[worker_pb2.StepResult]] | None],
+        closed: _StreamClosed,
     ) -> None:
         try:
             for msg in request_iterator:
-                steps.put((msg.step_id, self.model.submit(partial(_step, self.worker, msg))))
+                with closed.lock:
+                    if closed.closed:
+                        break
+                    steps.put((msg.step_id, self.model.submit(partial(_step, self.worker, msg))))
         except grpc.RpcError:
             pass  # the call was cancelled or the control plane went away
         finally:
             steps.put(None)
 
 
+class _StreamClosed:
+    """Set once an Execute call has ended; its reader submits no plan after that."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+
+
 def _step(worker: Worker, msg: worker_pb2.StepPlan) -> worker_pb2.StepResult:
     """Decodes, runs and encodes one step, all on the model thread. The gRPC threads then only
     move messages: their Python would otherwise hold the GIL at the model thread's op
     boundaries, and every hand-over of the GIL costs the step time. A plan that does not decode
-    fails its step with INVALID_ARGUMENT, which ends the stream. Under tensor parallelism the
-    plan's bytes go to the other ranks first."""
+    fails its step with INVALID_ARGUMENT, which ends the stream; one that contradicts this
+    worker's state is answered with its requests refused (`ModelRunner.refuse`), and the stream
+    goes on. Under tensor parallelism the plan's bytes go to the other ranks first."""
     plan = wire.plan_from_proto(msg)
     if worker.followers is None:
-        if worker.team is None:
-            return wire.result_to_proto(worker.runner.execute(plan))
-        with worker.team.step(len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens):
-            return wire.result_to_proto(worker.runner.execute(plan))
+        try:
+            if worker.team is None:
+                return wire.result_to_proto(worker.runner.execute(plan))
+            with worker.team.step(len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens):
+                return wire.result_to_proto(worker.runner.execute(plan))
+        except PlanError as exc:
+            log.error("bad_plan", step_id=plan.step_id, error=str(exc))
+            return wire.result_to_proto(worker.runner.refuse(plan, str(exc)))
     worker.followers.send_plan(msg.SerializeToString())
     try:
         return wire.result_to_proto(worker.runner.execute(plan))

@@ -151,3 +151,5 @@ class StepResult:
     prompt_logprobs: dict[str, PromptLogprobRun] = field(default_factory=dict)
     # Requests the worker cannot go on with, and why (no token of theirs is in `sampled`).
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests whose part of the plan contradicted the worker's state, and why: forgotten there.
+    refused: dict[str, str] = field(default_factory=dict)

@@ -257,6 +257,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         total_time_s=result.total_time_s,
         prompt_logprobs=prompt,
         failed=[worker_pb2.RequestFailure(req_id=r, message=m) for r, m in result.failed.items()],
+        refused=[worker_pb2.RequestFailure(req_id=r, message=m) for r, m in result.refused.items()],
     )
 
 
@@ -278,4 +279,5 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         total_time_s=msg.total_time_s,
         prompt_logprobs=prompt,
         failed={f.req_id: f.message for f in msg.failed},
+        refused={f.req_id: f.message for f in msg.refused},
     )

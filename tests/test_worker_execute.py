@@ -1,10 +1,12 @@
 """The Worker contract over real gRPC, without a control plane: plans sent ahead are run in
-order, a plan that contradicts the worker's state ends the stream with INVALID_ARGUMENT, and
-the next stream starts from nothing."""
+order, a plan that contradicts the worker's state refuses the requests it names and the stream
+goes on, one that does not decode ends the stream at once, and the next stream starts from
+nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -13,8 +15,8 @@ import torch
 
 from pagedserve import wire
 from pagedserve.plan import CachedRequestData, NewRequestData, StepPlan
-from pagedserve.sampling_params import SamplingParams
-from protos.v1 import worker_pb2_grpc
+from pagedserve.sampling_params import SamplingParams, StructuredOutput
+from protos.v1 import worker_pb2, worker_pb2_grpc
 from tests.procs import ServerProcess, free_port
 from tests.stack import worker_cli_args
 
@@ -58,17 +60,73 @@ def test_plans_sent_ahead_run_in_order_and_a_new_stream_starts_afresh(
     assert _run(stub, _plans()) == first
 
 
-def test_a_contradicting_plan_ends_the_stream_with_invalid_argument(
+def test_a_contradicting_plan_refuses_its_requests_and_the_stream_goes_on(
     stub: worker_pb2_grpc.WorkerStub,
 ) -> None:
+    """A plan naming a request the worker does not hold is answered, not the end of the
+    stream: the request is refused in the step's result, and the steps after it run."""
     plans = _plans()
-    plans[2] = StepPlan(3, cached_requests=[CachedRequestData("nobody", [])])
-    plans[2].num_scheduled_tokens = {"nobody": 1}
-    with pytest.raises(grpc.RpcError) as err:
-        _run(stub, plans)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "nobody" in (err.value.details() or "")
+    plans.insert(3, StepPlan(4, cached_requests=[CachedRequestData("nobody", [])]))
+    plans[3].num_scheduled_tokens = {"nobody": 1}
+    plans[4].step_id = 5
+    results = list(stub.Execute(iter([wire.plan_to_proto(p) for p in plans]), timeout=60))
+    assert [r.step_id for r in results] == [1, 2, 3, 4, 5]
+    assert [f.req_id for f in results[3].refused] == ["nobody"]
+    assert "nobody" in results[3].refused[0].message and not results[3].sampled
+    assert [len(r.sampled) for r in results] == [1, 1, 1, 0, 1]
+    assert _run(stub, _plans()) == [[s.token_id for s in r.sampled] for r in results if r.sampled]
+
+
+def test_a_plan_that_does_not_decode_ends_its_stream_at_once(
+    stub: worker_pb2_grpc.WorkerStub,
+) -> None:
+    """INVALID_ARGUMENT reaches the control plane while its side of the stream is still open
+    (it would send the next plan): the worker does not wait for it to close first."""
+    plans = [wire.plan_to_proto(p) for p in _plans()]
+    plans[1].new_requests.add().CopyFrom(plans[0].new_requests[0])
+    plans[1].new_requests[0].req_id = "bad"
+    plans[1].new_requests[0].sampling.temperature = -1.0
+    release, gave_up = threading.Event(), threading.Event()
+
+    def held_open() -> Iterator[worker_pb2.StepPlan]:
+        yield from plans[:2]
+        if not release.wait(25):  # the control plane's side stays open meanwhile
+            gave_up.set()
+
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Execute(held_open(), timeout=100))
+        assert not gave_up.is_set()  # the status came while the stream was open
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        release.set()
     assert len(_run(stub, _plans())) == 4  # the worker serves the next stream
+
+
+def test_a_request_failed_by_its_grammar_leaves_the_plans_sent_ahead_valid(
+    stub: worker_pb2_grpc.WorkerStub,
+) -> None:
+    """A schema the grammar library gives up on at its first token fails its request in the
+    prefill's result; the decode steps sent before the control plane read it still name the
+    request, and run (its rows are computed and dropped) beside another request's."""
+    constrained = _new("g")
+    constrained.sampling = SamplingParams(
+        temperature=0.0, structured=StructuredOutput("json_schema", '{"$ref": "#"}')
+    )
+    constrained.block_ids = [2, 3]
+    plans = _plans()
+    plans[0].new_requests.append(constrained)
+    plans[0].num_scheduled_tokens["g"] = len(PROMPT)
+    for p in plans[1:]:
+        p.cached_requests.append(CachedRequestData("g", []))
+        p.num_scheduled_tokens["g"] = 1
+    results = list(stub.Execute(iter([wire.plan_to_proto(p) for p in plans]), timeout=60))
+    assert [r.step_id for r in results] == [1, 2, 3, 4]
+    assert [f.req_id for f in results[0].failed] == ["g"]
+    assert all(not r.failed and not r.refused for r in results[1:])
+    assert [[s.req_id for s in r.sampled] for r in results] == [["a"]] * 4
+    alone = _run(stub, _plans())
+    assert [[s.token_id for s in r.sampled] for r in results] == alone
 
 
 def test_an_unused_swap_pool_takes_no_memory(

@@ -150,20 +150,22 @@ class PromptLogprobs(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "model_time_s", "total_time_s", "prompt_logprobs", "failed")
+    __slots__ = ("step_id", "sampled", "model_time_s", "total_time_s", "prompt_logprobs", "failed", "refused")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     MODEL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     model_time_s: float
     total_time_s: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     failed: _containers.RepeatedCompositeFieldContainer[RequestFailure]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., model_time_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[RequestFailure]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., model_time_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ...) -> None: ...
 
 class RequestFailure(_message.Message):
     __slots__ = ("req_id", "message")
