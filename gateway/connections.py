@@ -9,7 +9,7 @@ clients already connected.
 
     connection opened / previous response sent
       │ headers: ≤ header_timeout_s ── late: closed (408 if part of a request had come)
-      │          ≤ MAX_HEAD_BYTES ──── more: 431, closed
+      │          ≤ MAX_HEAD_BYTES ──── more (however it arrives): 431, closed
       ▼
     request line and headers in
       │ body: ≤ body_timeout_s ──────── late: 408, closed
@@ -59,6 +59,10 @@ class _Phase(enum.Enum):
     BODY = "body"
 
 
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback: llhttp stops, and uvicorn calls send_400_response."""
+
+
 class GuardedHttpProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with read deadlines, a cap on a request's head and a connection cap;
     `limits` is set by `guarded_protocol`, which uvicorn's `http=` takes.
@@ -76,6 +80,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._phase: _Phase | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._head_bytes = 0  # of the request whose head is being read
+        self._head_parsed = 0  # its request target and headers the parser has handed over
+        self._head_too_large = False
         self._body_done = True  # the last request's message was read to its end
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -103,6 +109,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # The next request sent while this one is answered: read no more of it until the
             # answer is sent (the parser holds what came, however large its head).
             self.flow.pause_reading()
+
+    # Bytes read while the head is read cannot bound a head that arrives whole in one read (up
+    # to 256 KiB): the parser is through it, and at its body, before they are counted. What
+    # the parser hands over is counted as it comes instead.
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_parsed = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        self._head_parsed += size
+        if self._head_parsed > MAX_HEAD_BYTES:
+            self._head_too_large = True
+            raise _HeadTooLarge
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -177,7 +204,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """What the HTTP parser cannot read (a bad request line or header, a Content-Length
         that is no number, twice over or beside Transfer-Encoding, a bad chunk size): a 400 in
-        OpenAI's error shape, as every other refusal, and the connection closed."""
+        OpenAI's error shape, as every other refusal, and the connection closed. A head past
+        MAX_HEAD_BYTES stops the parser this way too: it gets its 431."""
+        if self._head_too_large:
+            self._refuse_head()
+            return
         log.info("http_unparsable", detail=msg)
         message = "the request could not be parsed as HTTP/1.1 (request line, headers or framing)"
         err = APIError(400, message, code="invalid_http_request")

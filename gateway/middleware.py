@@ -109,20 +109,21 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, send_headers_only)
 
 
-def _needs_key(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+# What answers without the key: probes, which cannot send one.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 class ApiKeyAuth:
-    """`Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize; /health, /metrics
-    and /version stay open for probes."""
+    """`Authorization: Bearer <key>` on every path but OPEN_PATHS: the API, and what describes
+    it (/docs, /redoc, /openapi.json); a path that serves nothing is a 401 too, not a 404
+    telling which exist."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or not _needs_key(scope["path"]):
+        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         auth = _header(scope, b"authorization") or b""

@@ -183,6 +183,40 @@ def test_a_head_past_the_cap_gets_431_and_kept_alive_requests_are_still_timed(
     assert httpx.get(f"{gw.url}/version", timeout=5).status_code == 200
 
 
+def test_one_header_past_the_cap_gets_431(procs: Processes) -> None:
+    """A head past the cap that arrives in one piece (one 70 KB header) is refused too, not
+    only one that trickles in."""
+    nowhere = f"127.0.0.1:{free_port()}"
+    gw = procs.gateway(nowhere)
+    for head in (
+        b"GET /version HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n",
+        b"GET /version?" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n",
+        b"GET /version HTTP/1.1\r\nHost: x\r\n" + (b"X-Many: " + b"b" * 1000 + b"\r\n") * 70,
+    ):
+        got = _closed_within(_raw(_port(gw), head + b"\r\n"), 3)
+        assert got is not None and got.startswith(b"HTTP/1.1 431"), got
+        error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "request_header_fields_too_large"
+    # Just under the cap: served.
+    r = httpx.get(f"{gw.url}/version", headers={"X-Big": "a" * 60_000}, timeout=5)
+    assert r.status_code == 200
+
+
+def test_docs_need_the_api_key(procs: Processes) -> None:
+    nowhere = f"127.0.0.1:{free_port()}"
+    gw = procs.gateway(nowhere, "--api-key", "docs-key")
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        r = httpx.get(f"{gw.url}{path}", timeout=5)
+        assert r.status_code == 401, (path, r.status_code)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.get(f"{gw.url}{path}", headers={"Authorization": "Bearer docs-key"}, timeout=5)
+        assert r.status_code == 200, (path, r.status_code)
+    # Probes stay open.
+    assert httpx.get(f"{gw.url}/version", timeout=5).status_code == 200
+    assert httpx.get(f"{gw.url}/metrics", timeout=5).status_code == 200
+    assert httpx.get(f"{gw.url}/health", timeout=5).status_code == 503  # no control plane
+
+
 def test_connections_past_the_cap_get_503(procs: Processes) -> None:
     nowhere = f"127.0.0.1:{free_port()}"
     gw = procs.gateway(nowhere, "--max-connections", "4", "--http-header-timeout", "30")

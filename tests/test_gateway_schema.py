@@ -38,7 +38,7 @@ def _bound(body: Any) -> None:
 
 
 def operations(gs: GatewayStack) -> list[schemathesis.APIOperation]:
-    schema = schemathesis.openapi.from_url(f"{gs.url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{gs.url}/openapi.json", headers=gs.headers)
     ops = []
     for result in schema.get_all_operations():
         assert isinstance(result, Ok), result.err()
