@@ -26,7 +26,7 @@ import pytest
 from control_plane.grammar_check import GrammarChecker
 from pagedserve import grammar, grammar_bounds
 from pagedserve.sampling_params import InvalidRequestError, StructuredOutput
-from protos.v1 import common_pb2
+from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from protos.v1 import control_plane_pb2 as pb
 from tests.procs import ServerProcess
 from tests.stack import Stack, request, start_stack
@@ -208,3 +208,18 @@ def test_grammars_failing_at_their_first_token_leave_other_streams_alone(stack: 
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3
     assert not errors and len(tokens) == 300
     assert stack.control_plane.proc.poll() is None and stack.worker.proc.poll() is None
+
+
+def test_the_worker_refuses_them_too(stack: Stack) -> None:
+    """The worker's own compile path (asked directly, as no control plane would) applies the
+    same bounds: INVALID_ARGUMENT, and the worker lives on."""
+    stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(stack.worker.address))
+    for constraint in (
+        common_pb2.StructuredOutput(json_schema=defs_chain(1000)),
+        common_pb2.StructuredOutput(grammar=rule_chain(5000)),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PrepareGrammar(worker_pb2.PrepareGrammarRequest(constraint=constraint), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "more than 512 deep" in (err.value.details() or "")
+    assert stack.worker.proc.poll() is None
