@@ -26,11 +26,14 @@ log = get_logger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-# After a 413 the connection is closed. Until then, for at most this long and this many bytes,
-# what the client is still sending is read and dropped: a client that reads only once it has
-# written its body then finds the 413 in its buffer, not a connection reset.
-LINGER_S = 0.5
-LINGER_BYTES = 1 << 20
+# After a 413 the connection is closed. Until then what the client is still sending is read
+# and dropped (a lingering close, as nginx's lingering_close): a client that reads only once
+# it has written its body (Python's http.client, requests) then finds the 413, not a
+# connection reset, which closing on unread data makes the kernel send. Bounded: at most
+# LINGER_BYTES, LINGER_S in all, and LINGER_IDLE_S without data (a client that stopped).
+LINGER_S = 5.0
+LINGER_IDLE_S = 1.0
+LINGER_BYTES = 16 << 20
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -148,8 +151,8 @@ class BodyLimit:
 
     Past the limit the answer is 413 at once: before reading anything when Content-Length
     says so, as soon as the bytes read pass it for a chunked body. The connection is then
-    closed (see `_too_large`), so a client can never make the gateway read more than the limit
-    plus LINGER_BYTES.
+    closed after a bounded linger (see `_too_large`), so a client can never make the gateway
+    read more than the limit plus LINGER_BYTES.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -217,20 +220,25 @@ class BodyLimit:
         await err.response()(scope, receive, send_open)
         # A client waiting for `100 Continue` has sent nothing: there is nothing to linger over.
         if more_body and _header(scope, b"expect") is None:
-            await _discard_body(receive, LINGER_BYTES, LINGER_S)
+            await _discard_body(receive, LINGER_BYTES, LINGER_S, LINGER_IDLE_S)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _discard_body(receive: Receive, max_bytes: int, timeout_s: float) -> None:
-    """Reads and drops request body messages until the body ends, or max_bytes or timeout_s
-    is reached."""
+async def _discard_body(receive: Receive, max_bytes: int, timeout_s: float, idle_s: float) -> None:
+    """Reads and drops request body messages until the body ends, max_bytes are read,
+    timeout_s has passed, or nothing came for idle_s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     read = 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            while read <= max_bytes:
+    while read <= max_bytes:
+        wait = min(idle_s, deadline - loop.time())
+        if wait <= 0:
+            return
+        try:
+            async with asyncio.timeout(wait):
                 message = await receive()
-                if message["type"] != "http.request" or not message.get("more_body", False):
-                    return
-                read += len(message.get("body", b""))
-    except TimeoutError:
-        pass
+        except TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        read += len(message.get("body", b""))

@@ -7,14 +7,16 @@ The control plane address leads nowhere: the limit is enforced before any route 
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import requests
 
 from tests.gateway_stack import HttpProcess, Processes
 from tests.procs import free_port
@@ -135,6 +137,64 @@ def test_plain_http_client_reads_the_413(gateway: HttpProcess) -> None:
     )
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
+
+
+BIG = b'{"prompt": "' + b"x" * (8 << 20) + b'"}'
+
+
+def _http_client(url: str) -> tuple[int, bytes]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", BIG, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _http_client_chunked(url: str) -> tuple[int, bytes]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    pieces = (BIG[i : i + (64 << 10)] for i in range(0, len(BIG), 64 << 10))
+    try:
+        conn.request(
+            "POST",
+            "/v1/completions",
+            pieces,
+            {"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+            encode_chunked=True,
+        )
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _requests(url: str) -> tuple[int, bytes]:
+    r = requests.post(
+        f"{url}/v1/completions",
+        data=BIG,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    return r.status_code, r.content
+
+
+@pytest.mark.parametrize(
+    "post", [_http_client, _http_client_chunked, _requests], ids=lambda f: f.__name__.strip("_")
+)
+def test_clients_that_write_the_whole_body_first_read_the_413(
+    gateway: HttpProcess, post: Callable[[str], tuple[int, bytes]]
+) -> None:
+    """http.client and requests read nothing until their 8 MiB body is written: the gateway
+    reads and drops the rest after its 413 (bounded), so they find it rather than a
+    ConnectionResetError."""
+    status, data = post(gateway.url)
+    assert status == 413
+    assert b'"code":"request_too_large"' in data
 
 
 def test_body_at_the_limit_passes(gateway: HttpProcess) -> None:
