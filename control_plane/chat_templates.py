@@ -1,6 +1,6 @@
 """Which chat template the control plane renders chats with: the one `--chat-template` gives
-(a file, or the template itself inline: vLLM's rule for telling them apart), else a template shipped here for a
-checkpoint whose own template cannot render tools, else the checkpoint's.
+(a file, or the template itself inline: vLLM's rule for telling them apart), else a template
+shipped here for a checkpoint whose own template cannot render tools, else the checkpoint's.
 
 Shipped templates live in `control_plane/templates/`. Each stands in for a checkpoint template
 it matches exactly, and renders every chat without tools, tool calls or tool messages exactly
