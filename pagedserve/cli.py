@@ -93,12 +93,12 @@ def _grpc_security(a: argparse.Namespace, control_plane: str | None = None) -> A
 def _token_source(a: argparse.Namespace, control_plane: str) -> str:
     """Where the gRPC token a client of `control_plane` sends came from, or where it was looked
     for: said when the server refuses the call."""
-    from pagedserve.grpc_security import TOKEN_FLAG, token_path
+    from pagedserve.grpc_security import TOKEN_FLAG, saved_token, token_path
 
     if a.grpc_token:
         return f"the token sent is the one {TOKEN_FLAG} gives"
     path = token_path(control_plane)
-    if path.is_file():
+    if saved_token(control_plane) is not None:
         return f"the token sent is the one saved in {path} (by a `pagedserve up` before this one?)"
     # The likeliest cause: `up` ran with another PAGEDSERVE_CACHE_DIR, so saved it elsewhere.
     return (

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -157,6 +159,17 @@ def test_a_checkpoint_whose_config_cannot_be_served_is_refused(
     (ckpt / "config.json").write_text("{")
     with pytest.raises(InvalidCheckpointError, match="config.json: "):
         resolve_model(str(ckpt))
+
+
+def test_checking_a_checkpoint_loads_no_torch(micro_llama: Path) -> None:
+    """`up`'s supervisor checks the checkpoint but runs no model: torch would cost it ~1.5 s
+    of CPU at every start and ~200 MiB for as long as it runs."""
+    code = (
+        "import sys; from pagedserve.model_source import resolve_model; "
+        f"resolve_model({str(micro_llama)!r}); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
 @pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-0.6B"])
