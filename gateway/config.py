@@ -37,7 +37,8 @@ class GatewayConfig:
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     max_connections: int = 1000
-    # A streaming client that reads nothing this long while output waits: its request aborted.
+    # A client that reads nothing this long while output waits: its request aborted (while it
+    # generates) and its connection closed, its unsent output dropped (generating or not).
     stream_stall_timeout_s: float = 60.0
     # Token and TLS for the channel to the control plane.
     grpc_security: GrpcSecurity = INSECURE

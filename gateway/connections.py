@@ -1,5 +1,6 @@
 """The HTTP/1.1 connections under the app: uvicorn's httptools protocol (llhttp, in C) with
-deadlines on reading a request, a cap on a request's head and a cap on open connections.
+deadlines on reading a request, a cap on a request's head, a cap on open connections and a
+bound on how long an answer may wait for a client that reads none of it.
 
 Uvicorn (0.54) has none of them: its keep-alive timeout starts only after a response, so a
 client that connects and sends nothing, or sends its headers a byte at a time, holds a socket
@@ -18,6 +19,15 @@ clients already connected.
 
 A connection opened while max_connections are open gets its request answered 503 with
 Retry-After and is closed; the connections already open go on as before.
+
+Writing: once what waits to be sent passes the transport's high-water mark (64 KiB), the
+client has write_stall_timeout_s to take some of it. One that takes nothing has its
+connection aborted, its unsent bytes dropped, and the app hears http.disconnect (which aborts
+a request still generating). This holds whether the answer is still being made or already
+whole: the app's own stall check (gateway.upstream.Inbox) sees only messages still to come,
+and closing a connection with bytes unsent waits for them to drain, so without it a client
+that stopped reading held its socket and its answer's bytes for as long as it kept the
+connection open.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ class EdgeLimits:
     body_timeout_s: float
     max_connections: int
     retry_after_s: int
+    write_stall_timeout_s: float = 60.0  # --stream-stall-timeout
 
 
 class _Phase(enum.Enum):
@@ -83,6 +94,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_parsed = 0  # its request target and headers the parser has handed over
         self._head_too_large = False
         self._body_done = True  # the last request's message was read to its end
+        self._write_stall: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -93,7 +105,42 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_deadline(None)
+        self._unset_write_stall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The transport holds more unsent bytes than its high-water mark: the client has
+        write_stall_timeout_s to take some (resume_writing) before it is cut off."""
+        super().pause_writing()
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(
+                self.limits.write_stall_timeout_s, self._write_stalled
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unset_write_stall()
+
+    def _unset_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+    def _write_stalled(self) -> None:
+        self._write_stall = None
+        state = self.cycle.scope.get("state", {}) if self.cycle is not None else {}
+        log.warning(
+            "http_write_stalled",
+            request_id=state.get("request_id"),
+            unsent_bytes=self.transport.get_write_buffer_size(),
+            stall_timeout_s=self.limits.write_stall_timeout_s,
+        )
+        self._set_deadline(None)
+        if self.cycle is not None:
+            # The app hears http.disconnect; what it sends from now on is dropped.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.abort()  # close() would wait for the unsent bytes
 
     def data_received(self, data: bytes) -> None:
         if self._phase is _Phase.HEADERS:
@@ -229,6 +276,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.cycle.disconnected = True
             self.cycle.message_event.set()
         self.transport.close()
+        if self.transport.get_write_buffer_size() and self._write_stall is None:
+            # Closing waits for the unsent bytes; bound that wait as a paused write's.
+            self._write_stall = self.loop.call_later(
+                self.limits.write_stall_timeout_s, self._write_stalled
+            )
 
 
 class _RefusalLog:

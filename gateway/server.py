@@ -35,13 +35,15 @@ def serve(config: GatewayConfig, log_format: str | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(config.graceful_shutdown_s),
-        # httptools with read deadlines, a head cap and a connection cap (gateway.connections).
+        # httptools with read deadlines, a head cap, a connection cap and a write-stall bound
+        # (gateway.connections).
         http=guarded_protocol(
             EdgeLimits(
                 header_timeout_s=config.http_header_timeout_s,
                 body_timeout_s=config.http_body_timeout_s,
                 max_connections=config.max_connections,
                 retry_after_s=config.retry_after_s,
+                write_stall_timeout_s=config.stream_stall_timeout_s,
             )
         ),
     )

@@ -1,6 +1,8 @@
-"""Streaming clients that never read: the gateway holds a bounded buffer for them, the control
-plane's writes wait under gRPC flow control, and after the stall timeout their requests are
-aborted and their KV blocks freed; memory stays bounded. Real worker, control plane, gateway."""
+"""Clients that never read: the gateway holds a bounded buffer for them, the control plane's
+writes wait under gRPC flow control, and after the stall timeout their requests are aborted and
+their KV blocks freed, and their connections closed, answer finished or not; memory stays
+bounded. Real worker, control plane, gateway; a scripted control plane for answers of a
+chosen size."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.gateway_stack import gateway_process
+from tests.gateway_stack import Processes, gateway_process
+from tests.paced_control_plane import PacedServer
 from tests.procs import ServerProcess
 from tests.stack import start_stack
 
@@ -56,8 +60,6 @@ def test_never_reading_clients_are_bounded_then_aborted(
     try:
         total_blocks = stack.stats().workers[0].num_free_gpu_blocks
         # A request that reads: the gateway's shared upstream call opens with it.
-        import httpx
-
         opener = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": [5, 6, 7], "max_tokens": 2},
@@ -84,13 +86,12 @@ def test_never_reading_clients_are_bounded_then_aborted(
         assert s.num_requests_aborted >= 2 and s.num_running == 0, s
         assert s.workers[0].num_generated_tokens < 2 * 8 * 2000
         assert s.workers[0].num_free_gpu_blocks == total_blocks
-        stalls = [
-            json.loads(line)
-            for line in gw.output().splitlines()
-            if line.startswith("{") and '"stream_stalled"' in line
-        ]
-        # Each names the stalled request, not the one that opened the shared call.
-        assert sorted(e["request_id"] for e in stalls) == ["stalled-0", "stalled-1"], stalls
+        events = [json.loads(line) for line in gw.output().splitlines() if line.startswith("{")]
+        # Noticed by the connection (the client took no bytes) or by the request (it took no
+        # messages), whichever comes first; each names the stalled request, not the one that
+        # opened the shared call.
+        stalls = [e for e in events if e["event"] in ("http_write_stalled", "stream_stalled")]
+        assert sorted({e["request_id"] for e in stalls}) == ["stalled-0", "stalled-1"], stalls
         assert peak - before < 40, f"gateway grew {peak - before:.0f} MiB"
         for c in clients:
             c.close()
@@ -105,3 +106,47 @@ def test_never_reading_clients_are_bounded_then_aborted(
         assert r.status_code == 200, r.text
     finally:
         gw.stop()
+
+
+def read_until_closed(s: socket.socket, timeout: float) -> tuple[int, bool]:
+    """(bytes read, whether the server closed the connection) within `timeout`."""
+    s.settimeout(timeout)
+    total = 0
+    try:
+        while chunk := s.recv(1 << 16):
+            total += len(chunk)
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return total, False
+    return total, True
+
+
+@pytest.mark.timeout(120)
+def test_a_finished_answer_is_not_held_for_a_client_that_never_reads() -> None:
+    """The answer is all there (generation ended): 8 MiB wait in the gateway for a client that
+    reads none of them. After the stall timeout the connection is cut and they are dropped;
+    before, the socket and its bytes were held for as long as the client kept it open."""
+    size = 8 << 20
+    server = PacedServer()
+    procs = Processes()
+    try:
+        gw = procs.gateway(
+            server.address, "--served-model-name", "m", "--stream-stall-timeout", str(STALL_S)
+        )
+        port = int(gw.url.rsplit(":", 1)[1])
+        for stream in (True, False):
+            body = {"prompt": f"big:{size}", "max_tokens": 1, "stream": stream}
+            client = never_reading_stream(port, body)
+            time.sleep(STALL_S + 4)
+            # Reading now: a connection still open would hand over the whole answer.
+            got, closed = read_until_closed(client, timeout=3)
+            client.close()
+            assert closed and got < size, (stream, got, closed)
+        r = httpx.post(
+            f"{gw.url}/v1/completions", json={"prompt": "ok", "max_tokens": 1}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        procs.stop_all()
+        server.stop()
