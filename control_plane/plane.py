@@ -44,7 +44,11 @@ TOKENIZE_THREADS = 2
 GRAMMAR_CHECK_PROCESSES = 2
 
 
-class WorkersUnreachable(RuntimeError):
+class StartupError(RuntimeError):
+    """The control plane cannot start serving; its message is one line for the operator."""
+
+
+class WorkersUnreachable(StartupError):
     """No listed worker answered within the startup wait."""
 
 
@@ -139,7 +143,9 @@ class ControlPlane:
         except Exception as exc:
             await client.close()
             if self.info is None:  # nothing can be served without the first worker's model
-                self._startup_error = exc
+                self._startup_error = StartupError(
+                    f"cannot serve the model of worker {address}: {exc}"
+                )
                 self._registered.set()
             else:
                 log.error("worker_refused", worker=address, error=str(exc))
@@ -272,14 +278,13 @@ class ControlPlane:
             raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id} is running")
         loop = self._within_queue_delay(loop, n, max(1, sampling.beam_width or sampling.n))
         waiting = sum(lp.scheduler.num_waiting for lp in self.loops)
-        # A beam search holds up to beam_width sequences (and counts them while they wait).
-        limit = self.waiting_limit((n + sampling.max_tokens) * max(1, sampling.beam_width))
+        limit = self.waiting_limit()
         if waiting >= limit and not self._batch_admitted(batch_id):
             raise AdmissionError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the waiting queue is full ({waiting} requests, limit {limit}"
-                f"{'' if self.config.max_waiting is not None else ' from the KV pool'}; "
-                "--max-waiting sets it); retry later",
+                f"{'' if self.config.max_waiting is not None else ', --max-num-seqs per worker'}"
+                "; --max-waiting sets it); retry later",
             )
         return loop
 
@@ -401,21 +406,20 @@ class ControlPlane:
             "(--grammar-compile-timeout)"
         )
 
-    def waiting_limit(self, request_tokens: int) -> int:
-        """How many requests may wait. `--max-waiting N` fixes it; by default it is as many as
-        the healthy workers' KV pools hold at once at this request's full length (prompt +
-        max_tokens), at most max_num_seqs each: a request then waits behind at most one full
-        pool of others, and beyond that the client hears 429 at once rather than queueing for
-        minutes."""
+    def waiting_limit(self) -> int:
+        """How many requests may wait. `--max-waiting N` fixes it; by default it is one batch
+        per healthy worker, --max-num-seqs each: what the scheduler may run at once.
+
+        A burst that an idle cluster would take into its running batches is queued whole, never
+        refused, whatever the KV pools hold: the pool only decides how many of them start at
+        once, and they start in turn as blocks free up. It is also at least what the queue-delay
+        estimate (--max-queue-delay) admits, which needs a free seat (control_plane.admission).
+        Beyond one batch waiting per worker the client hears 429 at once, since a request
+        behind it would wait for a whole batch to finish first."""
         if self.config.max_waiting is not None:
             return self.config.max_waiting
-        limit = 0
-        for loop in self.loops:
-            if loop.healthy:
-                blocks = -(-request_tokens // loop.info.block_size)
-                fits = loop.info.num_gpu_blocks // blocks
-                limit += max(1, min(self.config.max_num_seqs, fits))
-        return limit
+        healthy = sum(1 for loop in self.loops if loop.healthy)
+        return max(1, healthy) * self.config.max_num_seqs
 
     async def wait_ready(self) -> None:
         """Returns once the first worker has registered (the model is unknown before): at once

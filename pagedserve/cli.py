@@ -208,7 +208,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
 
 def cmd_control_plane(a: argparse.Namespace) -> int:
     from control_plane.config import ControlPlaneConfig
-    from control_plane.plane import WorkersUnreachable
+    from control_plane.plane import StartupError
     from control_plane.server import serve
     from pagedserve.cluster import run_until_signalled, stop_on_signals
     from pagedserve.log import configure_logging
@@ -247,7 +247,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
         run_until_signalled(partial(serve, cfg))
     except KeyboardInterrupt:  # before the event loop runs
         pass
-    except WorkersUnreachable as exc:
+    except StartupError as exc:
         raise SystemExit(f"pagedserve control-plane: {exc}") from None
     return 0
 

@@ -119,6 +119,26 @@ def test_up_checks_the_whole_checkpoint_before_starting(
     assert out.stdout == ""
 
 
+def test_a_control_plane_whose_worker_has_no_tokenizer(
+    tmp_path: Path, micro_llama: Path, spawn: Callable[..., ServerProcess]
+) -> None:
+    """Started alone (not through `up`, which checks first), the control plane ends with one
+    line naming the missing file once the worker registers, not a traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(micro_llama, model)
+    (model / "tokenizer.json").unlink()
+    wport = free_port()
+    worker = spawn(
+        "worker", "worker", "--model", str(model), "--port", str(wport),
+        "--kv-cache-memory", str(1 << 20), ready_address=f"127.0.0.1:{wport}",
+    )  # fmt: skip
+    out = run_cli("control-plane", "--port", str(free_port()), "--workers", worker.address)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    line = out.stderr.strip().splitlines()[-1]  # after its JSON log lines
+    assert line.startswith("pagedserve control-plane: cannot serve the model of worker"), line
+    assert "tokenizer.json" in line and worker.address in line, line
+
+
 def test_up_with_a_hub_id() -> None:
     line = one_line_error(run_cli("up", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"))
     assert "does not reach model hubs" in line and "--model DIR" in line
