@@ -27,7 +27,24 @@ def auto_dtype(device: str) -> str:
     return "bfloat16" if cpu_isa.bf16_isa() else "float32"
 
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV pool on CPU unless --kv-cache-memory says
+# The CPU KV pool without --kv-cache-memory: this share of the host memory available once the
+# weights are loaded, at most the cap (vLLM's CPU build reserves 4 GiB, VLLM_CPU_KVCACHE_SPACE).
+# The share leaves room for activations, the swap pool, the other processes of `up` and other
+# workers started on the same machine; the pool's pages are taken only as blocks are written
+# (gpu_worker.kv_cache), so a worker that serves little costs little whatever its pool.
+DEFAULT_KV_CACHE_SHARE = 0.25
+DEFAULT_KV_CACHE_CAP = 4 << 30
+# Where the available memory cannot be read (not Linux).
+FALLBACK_KV_CACHE_MEMORY = 1 << 30
+
+
+def default_kv_cache_memory(available: int | None) -> int:
+    """Bytes of the CPU KV pool when --kv-cache-memory is not given: DEFAULT_KV_CACHE_SHARE of
+    `available` (host bytes still free, None: unknown), at most DEFAULT_KV_CACHE_CAP;
+    FALLBACK_KV_CACHE_MEMORY where it is unknown."""
+    if available is None:
+        return FALLBACK_KV_CACHE_MEMORY
+    return min(DEFAULT_KV_CACHE_CAP, int(max(0, available) * DEFAULT_KV_CACHE_SHARE))
 
 
 @dataclass(frozen=True)
@@ -39,7 +56,7 @@ class WorkerConfig:
     dtype: str = "float32"  # or "auto" (auto_dtype)
     kv_cache_dtype: str = AUTO  # auto: the model's dtype
     block_size: int = 16
-    # Bytes of the KV pool (the whole model's blocks). None: DEFAULT_KV_CACHE_MEMORY on CPU,
+    # Bytes of the KV pool (the whole model's blocks). None: default_kv_cache_memory on CPU,
     # what gpu_memory_utilization leaves on CUDA.
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9  # fraction of device memory on CUDA

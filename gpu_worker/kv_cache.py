@@ -12,6 +12,8 @@ decides which block holds what.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +58,7 @@ class KVCache:
         self.geometry = g
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        self.kv = torch.zeros(shape, dtype=g.dtype, device=device)
+        self.kv = _zeros(shape, g.dtype, device)
         cpu_shape = (g.num_layers, 2, num_cpu_blocks, g.block_size, g.num_kv_heads, g.head_dim)
         pin = torch.device(device).type == "cuda"
         # Left uninitialised: a swap block is always written whole (a GPU block swapped out)
@@ -93,6 +95,20 @@ class KVCache:
             return
         src, dst = _split(moves, self.kv.device)
         self.kv[:, :, dst] = self.kv[:, :, src]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero tensor. On the host it is a private anonymous mapping, whose pages the kernel
+    hands out zeroed on first write: a pool costs the memory of the blocks written so far, not
+    of its size (torch.zeros writes every page: memory at once, and ~2 s per GiB at start)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor holds a reference to the mapping, which is unmapped when the tensor goes.
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 def _split(moves: list[BlockMove], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

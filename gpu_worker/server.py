@@ -22,11 +22,17 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpu_worker import affinity, cpu_isa, cpu_team
+from gpu_worker import affinity, cpu_isa, cpu_team, host_memory
 from gpu_worker.affinity import lower_threads, thread_ids, unbind_this_thread
 from gpu_worker.attention import create_backend
 from gpu_worker.checkpoint import load_config, load_model, model_name, size_on_disk
-from gpu_worker.config import DEFAULT_KV_CACHE_MEMORY, DTYPES, WorkerConfig
+from gpu_worker.config import (
+    DEFAULT_KV_CACHE_CAP,
+    DEFAULT_KV_CACHE_SHARE,
+    DTYPES,
+    WorkerConfig,
+    default_kv_cache_memory,
+)
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM, pack_dtype
@@ -294,9 +300,11 @@ def _num_device_blocks(
     num_heads: int,
 ) -> int:
     """KV blocks of the pool: what --kv-cache-memory holds of the whole model's blocks (split
-    over the ranks under tensor parallelism), 1 GiB of them on CPU when it is not given; on
-    CUDA without it, what this device has left for its rank's `geometry`."""
+    over the ranks under tensor parallelism); without it, on CPU what default_kv_cache_memory
+    allows of the host memory still available, on CUDA what this device has left for its
+    rank's `geometry` under --gpu-memory-utilization. Logs the size and why (kv_cache_sized)."""
     if cfg.kv_cache_memory is not None:
+        log.info("kv_cache_sized", size=human_bytes(cfg.kv_cache_memory), by="--kv-cache-memory")
         blocks = whole.num_blocks_for(cfg.kv_cache_memory)
         if cfg.device != "cpu":  # this rank's part of them must fit beside the weights
             free, _ = torch.cuda.mem_get_info(cfg.device)
@@ -308,7 +316,20 @@ def _num_device_blocks(
                 )
         return blocks
     if cfg.device == "cpu":
-        return whole.num_blocks_for(DEFAULT_KV_CACHE_MEMORY)
+        available = host_memory.available_bytes()
+        budget = default_kv_cache_memory(available)
+        log.info(
+            "kv_cache_sized",
+            size=human_bytes(budget),
+            by=(
+                f"min({human_bytes(DEFAULT_KV_CACHE_CAP)}, {DEFAULT_KV_CACHE_SHARE:.0%} of the "
+                "available host memory); --kv-cache-memory sets it"
+                if available is not None
+                else "the available host memory is unknown; --kv-cache-memory sets it"
+            ),
+            available=None if available is None else human_bytes(available),
+        )
+        return whole.num_blocks_for(budget)
     # CUDA: what the utilization budget leaves after the weights and a profiling pass of one
     # max-size prefill (activations), measured rather than guessed.
     torch.cuda.reset_peak_memory_stats(cfg.device)
@@ -321,7 +342,14 @@ def _num_device_blocks(
     del runner, backend, probe
     torch.cuda.empty_cache()
     _, total = torch.cuda.mem_get_info(cfg.device)
-    return geometry.num_blocks_for(int(total * cfg.gpu_memory_utilization) - peak)
+    budget = int(total * cfg.gpu_memory_utilization) - peak
+    log.info(
+        "kv_cache_sized",
+        size=human_bytes(max(0, budget)),
+        by=f"--gpu-memory-utilization {cfg.gpu_memory_utilization:g} of {human_bytes(total)}, "
+        f"less {human_bytes(peak)} of weights and activations",
+    )
+    return geometry.num_blocks_for(budget)
 
 
 class WorkerStartupError(RuntimeError):

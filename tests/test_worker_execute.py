@@ -150,8 +150,9 @@ def test_the_kv_pool_is_what_kv_cache_memory_holds_on_either_device(
 ) -> None:
     """An explicit --kv-cache-memory sizes the pool on CUDA too (no profiling pass), as on CPU,
     and on CUDA a size that does not fit beside the weights is refused in one line; without
-    it a CPU pool is 1 GiB."""
-    from gpu_worker.config import DEFAULT_KV_CACHE_MEMORY, WorkerConfig
+    it a CPU pool is sized from the host memory (tests/test_kv_pool_default.py)."""
+    from gpu_worker import host_memory
+    from gpu_worker.config import WorkerConfig, default_kv_cache_memory
     from gpu_worker.kv_cache import CacheGeometry
     from gpu_worker.server import WorkerStartupError, _num_device_blocks
 
@@ -175,6 +176,7 @@ def test_the_kv_pool_is_what_kv_cache_memory_holds_on_either_device(
     else:
         default = WorkerConfig(model="m")
         assert default.kv_cache_memory is None
+        monkeypatch.setattr(host_memory, "available_bytes", lambda: 8 << 30)
         assert _num_device_blocks(default, whole, rank, None, 4) == (  # type: ignore[arg-type]
-            DEFAULT_KV_CACHE_MEMORY // whole.bytes_per_block
+            default_kv_cache_memory(8 << 30) // whole.bytes_per_block
         )
