@@ -33,7 +33,7 @@ class ControlPlaneConfig:
     # None: no cap.
     max_prefill_tokens_with_decodes: int | None = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES
     preemption: Literal["recompute", "swap"] = "recompute"
-    max_waiting: int | None = None  # None: as many as the healthy workers' pools hold
+    max_waiting: int | None = None  # None: max_num_seqs per healthy worker
     # A request expected to wait longer than this for its first token because of the others
     # is refused at once (control_plane.admission); None: no such bound.
     max_queue_delay_s: float | None = None

@@ -105,9 +105,12 @@ def test_overlong_prompts_are_refused_at_once_and_stall_no_stream(
 def test_default_queue_bound_answers_429_with_retry_after(
     spawn: Callable[..., ServerProcess], micro_llama: Path
 ) -> None:
-    # 8 blocks of 16 tokens: at their full length (prompt + max_tokens) one request fits the
-    # pool at a time, so by default one may wait; the rest are told at once to come back.
-    stack = start_stack(spawn, micro_llama, num_gpu_blocks=8, num_cpu_blocks=8)
+    # One seat (--max-num-seqs 1): by default one batch may wait, one request here; the rest
+    # are told at once to come back. (The pool does not bound the queue: 8 blocks of 16 tokens
+    # hold one request at a time, and a burst of one batch is queued whatever the pool.)
+    stack = start_stack(
+        spawn, micro_llama, num_gpu_blocks=8, num_cpu_blocks=8, cp_args=("--max-num-seqs", "1")
+    )
     gw = gateway_process(stack.address)
     url = gw.url
     try:
@@ -147,7 +150,9 @@ def test_a_batch_the_queue_bound_would_split_is_queued_whole(
     once: eight prompts that each need the whole pool are all served, one after another, where
     they would be refused every time if each counted. A lone request beside a waiting batch is
     still told to come back."""
-    stack = start_stack(spawn, micro_llama, num_gpu_blocks=8, num_cpu_blocks=8)
+    stack = start_stack(
+        spawn, micro_llama, num_gpu_blocks=8, num_cpu_blocks=8, cp_args=("--max-num-seqs", "1")
+    )
     gw = gateway_process(stack.address)
     try:
         body = {"max_tokens": 100, "ignore_eos": True, "temperature": 0}
