@@ -351,8 +351,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=parse_bytes,
         default=None,
-        help="bytes of KV cache (e.g. 2GiB); default 1GiB on CPU, and on CUDA what "
-        "--gpu-memory-utilization leaves",
+        help="bytes of KV cache (e.g. 2GiB); default on CPU a quarter of the host memory "
+        "available once the model is loaded, at most 4GiB (pages are taken as blocks are "
+        "written), and on CUDA what --gpu-memory-utilization leaves",
     )
     _flag(
         p,
@@ -431,8 +432,8 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
         type=_count_or_auto,
         default="auto",
         help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED (HTTP 429); auto: "
-        "as many as the healthy workers' KV pools hold at once at the request's full length, "
-        "at most --max-num-seqs each",
+        "one batch per healthy worker (--max-num-seqs each), so a burst the workers would run "
+        "at once is queued, not refused",
     )
     _flag(
         p,
