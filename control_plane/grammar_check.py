@@ -43,25 +43,33 @@ class _Child:
         self.proc: asyncio.subprocess.Process | None = None
 
     async def ask(self, line: bytes, timeout_s: float) -> bytes:
-        """The child's reply line; b"" where the child exited before answering."""
-        if self.proc is None or self.proc.returncode is not None:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                limit=_READ_LIMIT,
-            )
-        proc = self.proc
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            proc.stdin.write(line)
-            await proc.stdin.drain()
-            return await asyncio.wait_for(proc.stdout.readline(), timeout_s)
-        except (BrokenPipeError, ConnectionResetError):
-            return b""
-        except TimeoutError:
-            self.kill()
-            raise GrammarTimeout from None
+        """The child's reply line; b"" where the child exited while it held the line. A child
+        found gone before the line reached it (it ended with an earlier constraint) is started
+        again for this one."""
+        for _ in range(2):
+            proc = self.proc
+            if proc is None or proc.returncode is not None:
+                proc = self.proc = await asyncio.create_subprocess_exec(
+                    *self.argv,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    limit=_READ_LIMIT,
+                )
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                if proc.stdin.is_closing():
+                    raise BrokenPipeError
+                proc.stdin.write(line)
+                await proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError, RuntimeError):  # closed transport
+                self.kill()
+                continue
+            try:
+                return await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+            except TimeoutError:
+                self.kill()
+                raise GrammarTimeout from None
+        return b""
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -110,9 +118,13 @@ class GrammarChecker:
         finally:
             self._idle.put_nowait(child)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Ends the children and waits for them (their pipes close on this event loop)."""
         for child in self._children:
+            proc = child.proc
             child.kill()
+            if proc is not None:
+                await proc.wait()
 
 
 def main() -> None:

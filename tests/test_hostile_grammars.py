@@ -119,7 +119,7 @@ def test_a_check_that_kills_its_process_costs_that_request_only() -> None:
                 await checker.check(StructuredOutput("regex", "b+")),
             ]
         finally:
-            checker.close()
+            await checker.close()
 
     before, crashed, after = asyncio.run(run())
     assert before is None and after is None
@@ -138,7 +138,7 @@ def test_the_real_checker_answers_and_refuses() -> None:
                 )
             )
         finally:
-            checker.close()
+            await checker.close()
 
     ok, bad_regex, deep = asyncio.run(run())
     assert ok is None
