@@ -221,7 +221,7 @@ class ControlPlane:
         for loop in self.loops:
             await loop.stop()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
-        self._grammar_checker.close()
+        await self._grammar_checker.close()
 
     # -- admission ----------------------------------------------------------------------------
 
