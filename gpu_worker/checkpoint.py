@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from gpu_worker.models.config import ModelConfig, UnsupportedModelError
 from gpu_worker.models.llama import CausalLM
-from gpu_worker.parallel import TPGroup
+from gpu_worker.parallel.group import TPGroup
 from pagedserve.gguf import GGUFCheckpoint, GGUFError, find_gguf, open_gguf
 
 INDEX_FILE = "model.safetensors.index.json"

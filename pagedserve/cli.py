@@ -165,10 +165,11 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from gpu_worker.affinity import CPU_NICE, bind_threads_to_cores
 
     bound = bind_threads_to_cores(a.device, a.num_threads, a.tensor_parallel_size)  # before torch
+    from gpu_worker.build import WorkerStartupError
     from gpu_worker.checkpoint import CheckpointError
     from gpu_worker.config import WorkerConfig
     from gpu_worker.models.config import UnsupportedModelError
-    from gpu_worker.server import WorkerStartupError, serve
+    from gpu_worker.server import serve
     from pagedserve.cluster import stop_on_signals
     from pagedserve.log import configure_logging, get_logger
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpu_worker import host_memory
+from gpu_worker.build import _num_device_blocks
 from gpu_worker.config import (
     DEFAULT_KV_CACHE_CAP,
     FALLBACK_KV_CACHE_MEMORY,
@@ -17,7 +18,6 @@ from gpu_worker.config import (
     default_kv_cache_memory,
 )
 from gpu_worker.kv_cache import CacheGeometry, KVCache
-from gpu_worker.server import _num_device_blocks
 from pagedserve.plan import BlockMove
 
 GiB = 1 << 30

@@ -152,9 +152,9 @@ def test_the_kv_pool_is_what_kv_cache_memory_holds_on_either_device(
     and on CUDA a size that does not fit beside the weights is refused in one line; without
     it a CPU pool is sized from the host memory (tests/test_kv_pool_default.py)."""
     from gpu_worker import host_memory
+    from gpu_worker.build import WorkerStartupError, _num_device_blocks
     from gpu_worker.config import WorkerConfig, default_kv_cache_memory
     from gpu_worker.kv_cache import CacheGeometry
-    from gpu_worker.server import WorkerStartupError, _num_device_blocks
 
     whole = CacheGeometry(4, 4, 64, 16, torch.float32)
     rank = CacheGeometry(4, 2, 64, 16, torch.float32)  # one of two tensor-parallel ranks

@@ -53,7 +53,7 @@ from gpu_worker.models.fused_ops import TorchOps, ops_for
 from gpu_worker.models.rope import cos_sin_table, inv_frequencies
 
 if TYPE_CHECKING:
-    from gpu_worker.parallel import TPGroup
+    from gpu_worker.parallel.group import TPGroup
 
 TensorSource = Callable[[str], torch.Tensor]
 """Returns the checkpoint tensor with the given HF name."""
@@ -286,7 +286,7 @@ class CausalLM(nn.Module):
         device: str | torch.device = "cpu",
         tp: TPGroup | None = None,
     ) -> None:
-        """With `tp`, the shard of one tensor-parallel rank (`gpu_worker/parallel.py`);
+        """With `tp`, the shard of one tensor-parallel rank (`gpu_worker/parallel/`);
         `config` stays the whole model's."""
         super().__init__()
         dev = torch.device(device)
