@@ -26,10 +26,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizers import Tokenizer
+
 from pagedserve.gguf import tensors as gt
+from pagedserve.gguf.errors import GGUFError
+from pagedserve.gguf.tokenizer import GGUFVocab, build_tokenizer, tokenizer_config
 
 if TYPE_CHECKING:
     import torch
+    from gguf import GGUFReader, ReaderTensor
 
 # general.architecture -> (HF architecture, HF model_type)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -39,10 +44,6 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 GGUF_MAGIC = b"GGUF"
-
-
-class GGUFError(ValueError):
-    """The GGUF file is unreadable, or describes something that cannot be served here."""
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -100,7 +101,7 @@ def _unreadable(file: Path) -> str:
 @dataclass
 class GGUFCheckpoint:
     path: Path
-    reader: Any  # gguf.GGUFReader
+    reader: GGUFReader
 
     # -- metadata -------------------------------------------------------------------------------
 
@@ -155,8 +156,8 @@ class GGUFCheckpoint:
         return heads, self._count("attention.head_count_kv", heads)
 
     @cached_property
-    def raw_tensors(self) -> dict[str, Any]:
-        """GGUF tensor name -> gguf ReaderTensor."""
+    def raw_tensors(self) -> dict[str, ReaderTensor]:
+        """GGUF tensor name -> its entry in the file's tensor table."""
         return {t.name: t for t in self.reader.tensors}
 
     # -- validation -----------------------------------------------------------------------------
@@ -175,7 +176,7 @@ class GGUFCheckpoint:
                     f"{self.path} is truncated or corrupt: tensor {t.name} runs past the end of "
                     f"the file ({size:,} bytes)"
                 )
-        gt.check_tensors(self)
+        gt.check_tensors(self.path, self.reader.tensors)
         self.tokenizer_source  # noqa: B018 -- raises GGUFError for an unsupported tokenizer
         self.hf_config()  # raises GGUFError for shapes or features that cannot be served
 
@@ -255,7 +256,9 @@ class GGUFCheckpoint:
 
     def tensor(self, hf_name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor under its HF name, dequantized and cast to `dtype` (float32 by default)."""
-        return gt.read_tensor(self, hf_name, dtype)
+        raw = self.raw_tensors[gt.gguf_name(hf_name)]
+        permuted = self.gguf_architecture in gt.PERMUTED_ARCHITECTURES
+        return gt.read_tensor(raw, hf_name, self.num_heads if permuted else None, dtype)
 
     def tensor_names(self) -> list[str]:
         """HF names of every tensor the file holds."""
@@ -268,20 +271,14 @@ class GGUFCheckpoint:
     # -- tokenizer ------------------------------------------------------------------------------
 
     @cached_property
-    def tokenizer_source(self) -> Any:
-        """The `tokenizer.ggml.*` fields, checked (`tokenizer.GGUFVocab`)."""
-        from pagedserve.gguf.tokenizer import GGUFVocab
-
+    def tokenizer_source(self) -> GGUFVocab:
+        """The `tokenizer.ggml.*` fields, checked."""
         return GGUFVocab.from_metadata(self.path, self.metadata)
 
-    def tokenizer(self) -> Any:
-        """A `tokenizers.Tokenizer` equivalent to the one the model was trained with."""
-        from pagedserve.gguf.tokenizer import build_tokenizer
-
+    def tokenizer(self) -> Tokenizer:
+        """A tokenizer equivalent to the one the model was trained with."""
         return build_tokenizer(self.tokenizer_source)
 
     def tokenizer_config(self) -> dict[str, Any]:
         """The `tokenizer_config.json` an HF checkpoint would have (with the chat template)."""
-        from pagedserve.gguf.tokenizer import tokenizer_config
-
         return tokenizer_config(self.tokenizer_source, self.hf_config()["max_position_embeddings"])

@@ -18,14 +18,17 @@ Other architectures (qwen2, qwen3) are stored unpermuted.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedserve.gguf.errors import GGUFError
+
 if TYPE_CHECKING:
     import torch
-
-    from pagedserve.gguf.checkpoint import GGUFCheckpoint
+    from gguf import ReaderTensor
 
 _GLOBAL_RENAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -81,44 +84,44 @@ def gguf_name(name: str) -> str:
     raise KeyError(name)
 
 
-def check_tensors(ckpt: GGUFCheckpoint) -> None:
-    """Every tensor has a known name and a type that can be dequantized here."""
-    from pagedserve.gguf.checkpoint import GGUFError
-
+def check_tensors(path: Path, tensors: Sequence[ReaderTensor]) -> None:
+    """Every tensor of the file at `path` has a known name and a type that can be dequantized
+    here."""
     supported = _supported_types()
-    for t in ckpt.reader.tensors:
+    for t in tensors:
         if t.name == "rope_freqs.weight":
             raise GGUFError(
-                f"{ckpt.path}: rope_freqs.weight (per-frequency RoPE factors, Llama 3.1's "
+                f"{path}: rope_freqs.weight (per-frequency RoPE factors, Llama 3.1's "
                 "scaling) is not supported"
             )
         try:
             hf_name(t.name)
         except ValueError as exc:
-            raise GGUFError(f"{ckpt.path}: {exc} (not part of a llama-family model)") from exc
+            raise GGUFError(f"{path}: {exc} (not part of a llama-family model)") from exc
         if int(t.tensor_type) not in supported:
             raise GGUFError(
-                f"{ckpt.path}: tensor {t.name} is stored as {t.tensor_type.name}, which is not "
+                f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, which is not "
                 f"supported; supported types: {', '.join(supported.values())}"
             )
-    if "token_embd.weight" not in ckpt.raw_tensors:
-        raise GGUFError(f"{ckpt.path}: no token_embd.weight tensor")
+    if not any(t.name == "token_embd.weight" for t in tensors):
+        raise GGUFError(f"{path}: no token_embd.weight tensor")
 
 
-def read_tensor(ckpt: GGUFCheckpoint, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """The tensor with HF name `name`, dequantized to float32, in HF row order, as `dtype`
-    (float32 when None)."""
+def read_tensor(
+    raw: ReaderTensor, name: str, heads: tuple[int, int] | None, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """Tensor `raw`, whose HF name is `name`, dequantized to float32, in HF row order, as
+    `dtype` (float32 when None). `heads` (query heads, KV heads) is given for an architecture
+    whose Q/K rows llama.cpp permuted (`PERMUTED_ARCHITECTURES`), None for the others."""
     import torch  # only tensor reads need it: the control plane reads metadata alone
     from gguf import quants
 
-    raw = ckpt.raw_tensors[gguf_name(name)]
     array: np.ndarray[Any, Any] = quants.dequantize(raw.data, raw.tensor_type)
     shape = tuple(int(d) for d in reversed(raw.shape))
     array = array.reshape(shape)
-    if ckpt.gguf_architecture in PERMUTED_ARCHITECTURES:
+    if heads is not None:
         layer = _HF_LAYER_NAME.match(name)
         part = layer.group(2) if layer else ""
-        heads = ckpt.num_heads
         if part == "self_attn.q_proj":
             array = _unpermute(array, heads[0])
         elif part == "self_attn.k_proj":

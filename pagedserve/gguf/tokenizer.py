@@ -32,6 +32,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from pagedserve.gguf.errors import GGUFError
+
 # llama.cpp's token types (gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BYTE_LEVEL, SENTENCEPIECE = "gpt2", "llama"
@@ -88,8 +90,6 @@ class GGUFVocab:
 
     @classmethod
     def from_metadata(cls, path: Path, meta: dict[str, Any]) -> GGUFVocab:
-        from pagedserve.gguf.checkpoint import GGUFError
-
         kind = meta.get("tokenizer.ggml.model")
         if kind is None:
             raise GGUFError(f"{path}: no tokenizer (tokenizer.ggml.model is absent)")
