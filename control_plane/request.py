@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from control_plane.block_hash import BlockHash, request_block_hashes
 from pagedserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from control_plane.beam import BeamGroup
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -58,6 +55,16 @@ _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+class SequenceGroup(Protocol):
+    """The group a request is one sequence of, scheduled with it as one unit: a beam search's
+    `BeamGroup` (`control_plane/beam.py`, which builds its beams from this module). A request
+    names only what its holders ask of the group, so this module imports nothing above it."""
+
+    def copy_waiting(self) -> list[Request]:
+        """Fresh WAITING copies of the group's live sequences, in a copy of the group."""
+        ...
 
 
 @dataclass(eq=False)
@@ -88,7 +95,7 @@ class Request:
     index: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_pending_outputs: int = 0  # sampled by steps in flight, not applied yet
-    beam: BeamGroup | None = None  # set on a beam of a beam search (`control_plane/beam.py`)
+    beam: SequenceGroup | None = None  # set on a beam of a beam search (`BeamGroup`)
     # n > 1 outside beam search: the prompt is computed once, then n children fork from it.
     # Read on every scheduling pass; the sampling parameters never change.
     is_fork_parent: bool = field(init=False, repr=False)

@@ -10,8 +10,11 @@ from control_plane.request import Request
 
 
 def group_of(req: Request) -> BeamGroup | None:
-    """The beam group `req` is a beam of, if any."""
-    return req.beam
+    """The beam group `req` is a beam of; `Request.beam` names only the part of it that
+    requests need."""
+    group = req.beam
+    assert group is None or isinstance(group, BeamGroup), f"{req.req_id}: not a beam group"
+    return group
 
 
 def seats_asked(req: Request) -> int:
