@@ -11,8 +11,8 @@ from pagedserve.plan import StepPlan
 
 
 def preempt(state: SchedulerState, unit: list[Request], plan: StepPlan) -> None:
-    """Take a running request, or a beam group, off the worker (`unit`: newest last, as
-    `pop_newest` gives it); the plan drops what the worker holds of it."""
+    """Take a running request, or a beam group, off the worker (`unit`: its requests in queue
+    order, as `pop_newest` gives them); the plan drops what the worker holds of them."""
     for req in unit:
         req.num_preemptions += 1
         if req.req_id in state.unsent:

@@ -10,8 +10,8 @@ from control_plane.request import Request
 
 
 def group_of(req: Request) -> BeamGroup | None:
-    """The beam group `req` is a beam of; `Request.beam` names only the part of it that
-    requests need."""
+    """The beam group `req` is a beam of. `Request.beam` is typed by the `SequenceGroup`
+    protocol alone, as request.py does not import beam.py."""
     group = req.beam
     assert group is None or isinstance(group, BeamGroup), f"{req.req_id}: not a beam group"
     return group
@@ -44,6 +44,6 @@ def pop_newest(running: list[Request]) -> list[Request]:
     if group is None:
         return [victim]
     n = len(group.beams)
-    units = running[len(running) - n + 1 :]
+    beams = running[len(running) - n + 1 :]
     del running[len(running) - n + 1 :]
-    return [*units, victim]
+    return [*beams, victim]
