@@ -18,8 +18,8 @@ long; the loop waits milliseconds at most).
 Counts are bounded before anything walks the body (`gateway.protocol`): a body past them
 costs its json.loads and no more.
 
-    body bytes ──▶ json.loads ──▶ counts ──▶ Unicode and depth ──▶ model ──▶ prepare(model)
-                   (400: JSON)   (400: too many ids / messages)    (400: a field)
+    body bytes ─▶ json.loads ─▶ counts ─▶ Unicode and depth ─▶ model ─▶ check() ─▶ prepare(model)
+                  (400: JSON)  (400: too many ids / messages)  (400: a field) (400: rules)
 """
 
 from __future__ import annotations
@@ -36,16 +36,20 @@ from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from gateway.errors import bad_request
+from gateway.protocol import RequestBody
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
 
 # Bodies up to this size are parsed on the event loop (a few milliseconds at most).
 OFF_LOOP_BYTES = 16 << 10
 
 _PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-body")
 
-B = TypeVar("B", bound=BaseModel)
+B = TypeVar("B", bound=RequestBody)
 P = TypeVar("P")
 
 
@@ -56,10 +60,11 @@ class Parsed(Generic[B, P]):
 
 
 async def read_body(request: Request, model: type[B], prepare: Callable[[B], P]) -> Parsed[B, P]:
-    """The request's JSON body as `model`, and `prepare(body)`: both on the worker thread for
-    a large body (with the request's log context), inline for a small one. Raises what FastAPI
-    would for a body parameter (RequestValidationError, so the error reads the same) and
-    whatever `prepare` raises (an APIError for a 400)."""
+    """The request's JSON body as `model`, its unknown fields logged and its cross-field rules
+    checked (`check()`), and `prepare(body)`: all on the worker thread for a large body (with
+    the request's log context), inline for a small one. Raises what FastAPI would for a body
+    parameter (RequestValidationError, so the error reads the same) and whatever `check` and
+    `prepare` raise (an APIError for a 400)."""
     data = await request.body()
     content_type = request.headers.get("content-type")
     if len(data) <= OFF_LOOP_BYTES:
@@ -67,24 +72,6 @@ async def read_body(request: Request, model: type[B], prepare: Callable[[B], P])
     work = functools.partial(_parse, model, data, content_type, prepare, _yielding_loads)
     context = contextvars.copy_context()
     return await asyncio.get_running_loop().run_in_executor(_PARSER, context.run, work)
-
-
-def request_body_doc(model: type[BaseModel]) -> dict[str, Any]:
-    """A route's `openapi_extra` declaring `model` as its required JSON body, as FastAPI
-    declares a body parameter (`document_models` adds the schemas)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"content": {"application/json": {"schema": ref}}, "required": True}}
-
-
-def document_models(schema: dict[str, Any], models: list[type[BaseModel]]) -> None:
-    """Adds the models' JSON schemas (input side) under `components.schemas`, and those they
-    refer to where the name is not taken yet."""
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in models:
-        doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        for name, sub in doc.pop("$defs", {}).items():
-            components.setdefault(name, sub)
-        components[model.__name__] = doc
 
 
 def _parse(
@@ -95,6 +82,10 @@ def _parse(
     loads: Callable[[bytes], Any],
 ) -> Parsed[B, P]:
     body = _validate(model, _json_value(data, content_type, loads))
+    ignored = body.ignored_fields()
+    if ignored:  # dropped, as vLLM does, with one line naming them
+        log.warning("unknown_fields_ignored", fields=ignored)
+    body.check()
     return Parsed(body, prepare(body))
 
 

@@ -1,5 +1,4 @@
-"""From an OpenAI body to one GenerateRequest per choice, and the merged stream of their
-answers.
+"""A generation request's upstream calls, its budget, and the merged stream of their answers.
 
 One Generate call per prompt (`expand_choices`); `n > 1` is forked by the control plane,
 whose messages carry the completion's index. A batch of prompts is one call per prompt.
@@ -16,18 +15,8 @@ import structlog
 
 from gateway.errors import APIError, bad_request, from_grpc
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    Constraint,
-    SamplingFields,
-    TokenizeRequest,
-    message_fields,
-    template_kwargs_json,
-)
 from gateway.upstream import Inbox, Stalled, Upstream
 from pagedserve.log import get_logger
-from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 
 log = get_logger(__name__)
@@ -53,92 +42,6 @@ class Choice:
 class ChoiceEvent:
     index: int
     message: pb.GenerateResponse
-
-
-def sampling_proto(body: SamplingFields, logprobs: int | None) -> common_pb2.SamplingParams:
-    """The body's sampling fields; unset ones stay unset so the control plane's defaults apply."""
-    msg = common_pb2.SamplingParams(
-        stop=body.stop_list,
-        stop_token_ids=body.stop_token_ids or [],
-        ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens,
-    )
-    if not body.skip_special_tokens:
-        msg.skip_special_tokens = False
-    msg.include_stop_str_in_output = body.include_stop_str_in_output
-    max_tokens = body.effective_max_tokens()
-    if max_tokens is not None:
-        msg.max_tokens = max_tokens
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-    ):
-        value = getattr(body, name)
-        if value is not None:
-            setattr(msg, name, value)
-    if body.top_k is not None:
-        msg.top_k = max(body.top_k, 0)  # -1 (off, as vLLM spells it) -> 0
-    if logprobs is not None:
-        msg.logprobs = logprobs
-    if body.prompt_logprobs is not None:
-        msg.prompt_logprobs = body.prompt_logprobs
-    constraint = body.output_constraint()
-    if constraint is not None:
-        msg.structured_output.CopyFrom(constraint_proto(constraint))
-    if body.logit_bias:
-        msg.logit_bias.extend(
-            common_pb2.LogitBias(token_id=t, bias=b) for t, b in sorted(body.logit_bias.items())
-        )
-    return msg
-
-
-def constraint_proto(c: Constraint) -> common_pb2.StructuredOutput:
-    msg = common_pb2.StructuredOutput()
-    if c.kind == "json_object":
-        msg.json_object = True
-    elif c.kind == "choice":
-        msg.choice.choices.extend(c.choices)
-    else:
-        setattr(msg, c.kind, c.spec)
-    return msg
-
-
-# Token ids copied into a protobuf per call. The body's prompts are made into protobufs off
-# the event loop (gateway.bodies), where a call that holds the GIL long stalls the loop as
-# long: a million ids in one call held it for 25 ms.
-_IDS_PER_CALL = 1 << 16
-
-
-def prompt_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
-    """One GenerateRequest per prompt, holding only the prompt (text or token ids)."""
-    out = []
-    for prompt in body.prompts():
-        req = pb.GenerateRequest(add_special_tokens=body.add_special_tokens)
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            for start in range(0, len(prompt), _IDS_PER_CALL):
-                req.token_ids.ids.extend(prompt[start : start + _IDS_PER_CALL])
-        out.append(req)
-    return out
-
-
-def fill_chat(
-    chat: pb.ChatPrompt, body: ChatCompletionRequest | TokenizeRequest, tools_json: str
-) -> None:
-    """Writes the messages, and what the chat template renders beside them, into `chat`: in
-    place and a message at a time, which keeps each call short (see _IDS_PER_CALL)."""
-    assert body.messages is not None
-    for fields in message_fields(body.messages):
-        chat.messages.add(**fields)
-    chat.add_generation_prompt = body.add_generation_prompt
-    chat.tools_json = tools_json
-    chat.chat_template_kwargs_json = template_kwargs_json(body.chat_template_kwargs)
 
 
 def expand_choices(

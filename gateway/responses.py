@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.choices import ChoiceEvent
-from gateway.tools import Parsed, ToolCallParser, merge_calls
+from gateway.tool_parsers import Parsed, ToolCallParser, merge_calls
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 

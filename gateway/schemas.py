@@ -210,19 +210,3 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
-
-
-def sse_response(chunk: type[BaseModel]) -> dict[str, object]:
-    """An OpenAPI 200 whose body is JSON, or with `"stream": true` server-sent events."""
-    return {
-        "description": "The whole answer; with `stream: true`, server-sent events instead",
-        "content": {
-            "text/event-stream": {
-                "schema": {
-                    "type": "string",
-                    "description": f"`data: <{chunk.__name__} as JSON>` events, the last one "
-                    "`data: [DONE]`",
-                }
-            }
-        },
-    }

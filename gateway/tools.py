@@ -1,193 +1,23 @@
-"""Structured output and tool calling on the HTTP side: the client's JSON schemas checked
-before they reach the control plane, the schema that constrains `tool_choice: "required"`,
-and the parsers that turn a choice's text into OpenAI tool calls, chunk by chunk.
-
-The parsers serve both paths: a whole answer is its text fed at once, so a streamed choice's
-deltas add up to exactly what the non-streamed body holds.
-"""
+"""Tool calling's request side: OpenAI's function tools and `tool_choice` as the bodies take
+them, their checks (unique names, parameters that are JSON schemas), the tools as the chat
+template reads them, and the schema that constrains `tool_choice: "required"`. The parsers that
+turn the output back into tool calls are `gateway.tool_parsers`."""
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
-MAX_SCHEMA_DEPTH = 64
+from pydantic import Field
+
+from gateway.errors import bad_request
+from gateway.json_schema import rebase_refs, schema_text
+from gateway.protocol import Body
+
 # OpenAI's rule for function names.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-# Keywords whose value is a schema, a map of schemas, a list of schemas.
-_SCHEMA_VALUED = (
-    "additionalProperties",
-    "additionalItems",
-    "contains",
-    "propertyNames",
-    "not",
-    "if",
-    "then",
-    "else",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-)
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_COUNTS = (
-    "minItems",
-    "maxItems",
-    "minLength",
-    "maxLength",
-    "minProperties",
-    "maxProperties",
-    "minContains",
-    "maxContains",
-)
-_NUMBERS = ("minimum", "maximum")
-_STRINGS = ("pattern", "format", "$ref", "$id", "$schema", "$anchor", "title", "description")
-
-
-class SchemaError(ValueError):
-    """A client's JSON schema that is not one; `path` is where, in dotted form."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = path
-        self.message = message
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_count(value: Any) -> bool:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _pointer(root: Any, ref: str) -> bool:
-    """Whether a local reference (`#`, `#/a/b`) names something in root."""
-    node = root
-    for raw in ref[2:].split("/") if ref != "#" else []:
-        part = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return False
-    return True
-
-
-def check_schema(schema: Any, path: str) -> None:
-    """Raises SchemaError where `schema` breaks JSON Schema's rules for the keywords a grammar
-    is built from (types, properties, items, combinators, bounds, local `$ref`s). Unknown
-    keywords pass, as JSON Schema allows; what the control plane cannot compile it names."""
-    if not isinstance(schema, dict):
-        raise SchemaError(path, "a JSON schema must be a JSON object")
-    _check(schema, schema, path, 0)
-
-
-def _check(node: Any, root: dict[str, Any], path: str, depth: int) -> None:
-    if isinstance(node, bool):
-        return
-    if not isinstance(node, dict):
-        raise SchemaError(path, "a schema must be an object or a boolean")
-    if depth > MAX_SCHEMA_DEPTH:
-        raise SchemaError(path, f"schemas nest at most {MAX_SCHEMA_DEPTH} levels deep")
-
-    def bad(key: str, message: str) -> SchemaError:
-        return SchemaError(f"{path}.{key}", message)
-
-    if "type" in node:
-        t = node["type"]
-        names = t if isinstance(t, list) else [t]
-        if not names or not all(isinstance(x, str) and x in JSON_TYPES for x in names):
-            raise bad("type", f"must be one of {sorted(JSON_TYPES)} or a list of them")
-        if len(set(names)) != len(names):
-            raise bad("type", "must not repeat a type")
-    for key in _SCHEMA_VALUED:
-        if key in node:
-            _check(node[key], root, f"{path}.{key}", depth + 1)
-    if "items" in node:
-        items = node["items"]
-        if isinstance(items, list):  # drafts 4 to 7: one schema per position
-            for i, sub in enumerate(items):
-                _check(sub, root, f"{path}.items.{i}", depth + 1)
-        else:
-            _check(items, root, f"{path}.items", depth + 1)
-    for key in _SCHEMA_MAPS:
-        if key in node:
-            value = node[key]
-            if not isinstance(value, dict):
-                raise bad(key, "must be an object of schemas")
-            for name, sub in value.items():
-                _check(sub, root, f"{path}.{key}.{name}", depth + 1)
-    for key in _SCHEMA_LISTS:
-        if key in node:
-            value = node[key]
-            if not isinstance(value, list) or not value:
-                raise bad(key, "must be a non-empty list of schemas")
-            for i, sub in enumerate(value):
-                _check(sub, root, f"{path}.{key}.{i}", depth + 1)
-    if "required" in node:
-        req = node["required"]
-        if not isinstance(req, list) or not all(isinstance(x, str) for x in req):
-            raise bad("required", "must be a list of property names")
-    if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
-        raise bad("enum", "must be a non-empty list")
-    for key in _COUNTS:
-        if key in node and not _is_count(node[key]):
-            raise bad(key, "must be a non-negative integer")
-    for key in _NUMBERS:
-        if key in node and not _is_number(node[key]):
-            raise bad(key, "must be a number")
-    for key in ("exclusiveMinimum", "exclusiveMaximum"):  # a boolean in draft 4
-        if key in node and not (_is_number(node[key]) or isinstance(node[key], bool)):
-            raise bad(key, "must be a number")
-    if "multipleOf" in node and not (_is_number(node["multipleOf"]) and node["multipleOf"] > 0):
-        raise bad("multipleOf", "must be a number above 0")
-    if "uniqueItems" in node and not isinstance(node["uniqueItems"], bool):
-        raise bad("uniqueItems", "must be a boolean")
-    for key in _STRINGS:
-        if key in node and not isinstance(node[key], str):
-            raise bad(key, "must be a string")
-    for low, high in (
-        ("minItems", "maxItems"),
-        ("minLength", "maxLength"),
-        ("minProperties", "maxProperties"),
-        ("minimum", "maximum"),
-    ):
-        if low in node and high in node and node[low] > node[high]:
-            raise bad(low, f"must not exceed {high}")
-    ref = node.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not _pointer(root, ref):
-        raise bad("$ref", f"{ref!r} names nothing in the schema")
-
-
-def rebase_refs(schema: Any, base: str) -> Any:
-    """A copy of `schema` whose local `$ref`s (`#...`) still name the same parts once it sits
-    at JSON pointer `base` ("#/items/...") inside another document."""
-    if isinstance(schema, list):
-        return [rebase_refs(x, base) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = base + value[1:]
-        elif key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(
-            value, dict
-        ):  # property names, not keywords: a property called "$ref" stays as it is
-            out[key] = {k: rebase_refs(v, base) for k, v in value.items()}
-        elif key in ("enum", "const", "default", "examples"):
-            out[key] = value  # data, not schemas
-        else:
-            out[key] = rebase_refs(value, base)
-    return out
 
 
 def required_schema(
@@ -213,316 +43,68 @@ def required_schema(
     return schema
 
 
-def call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+class FunctionDefinition(Body):
+    name: Annotated[
+        str,
+        Field(
+            pattern=f"^{TOOL_NAME.pattern}$",
+            description="1 to 64 letters, digits, underscores or dashes; unique among the tools",
+        ),
+    ]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="The arguments' JSON schema; none: the function takes no arguments"
+    )
+    strict: bool | None = Field(
+        None, description="Accepted; calls a tool_choice forces always follow the schema"
+    )
+
+    @property
+    def parameters_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else EMPTY_PARAMETERS
+
+    def as_tool(self) -> dict[str, Any]:
+        """The definition as a chat template reads it (`tools` of apply_chat_template)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters_schema
+        return {"type": "function", "function": fn}
 
 
-_DECODER = json.JSONDecoder()
-_SPACE = " \t\r\n"
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in _SPACE:
-        pos += 1
-    return pos
+class FunctionName(Body):
+    name: str
 
 
-def member_text(text: str, start: int, key: str) -> str | None:
-    """The text of member `key`'s value in the JSON object at text[start] as written (so
-    arguments keep the model's spacing), or None if it has none or is not an object."""
-    if text[start : start + 1] != "{":
-        return None
-    pos = _skip_space(text, start + 1)
-    try:
-        while pos < len(text) and text[pos] != "}":
-            name, pos = _DECODER.raw_decode(text, pos)
-            pos = _skip_space(text, pos)
-            if text[pos : pos + 1] != ":":
-                return None
-            pos = _skip_space(text, pos + 1)
-            _, end = _DECODER.raw_decode(text, pos)
-            if name == key:
-                return text[pos:end]
-            pos = _skip_space(text, end)
-            if text[pos : pos + 1] == ",":
-                pos = _skip_space(text, pos + 1)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    return None
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
-def _arguments(value: Any, written: str | None) -> str:
-    """A call's arguments as OpenAI sends them: JSON text, as the model wrote it when that is
-    at hand."""
-    if isinstance(value, str):
-        return value
-    if written is not None:
-        return written
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+Tools = Annotated[list[Tool], Field(max_length=128)]
 
 
-@dataclass
-class Parsed:
-    """What a piece of a choice's text became: content, and tool calls as OpenAI stream
-    deltas (`{index, id, type, function: {name, arguments}}`; later deltas of the same index
-    carry more `arguments`)."""
-
-    content: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.content or self.calls)
-
-
-class ToolCallParser:
-    """A choice's text in, content and tool-call deltas out. `feed` as text comes, `finish`
-    once at the end."""
-
-    def __init__(self) -> None:
-        self.num_calls = 0
-
-    def _call(self, name: str, arguments: str) -> dict[str, Any]:
-        delta = {
-            "index": self.num_calls,
-            "id": call_id(),
-            "type": "function",
-            "function": {"name": name, "arguments": arguments},
-        }
-        self.num_calls += 1
-        return delta
-
-    def feed(self, text: str) -> Parsed:
-        raise NotImplementedError
-
-    def finish(self) -> Parsed:
-        raise NotImplementedError
+def check_tools(tools: list[Tool]) -> None:
+    """Unique names, and parameters that are JSON schemas."""
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if fn.name in seen:
+            raise bad_request(
+                f"tools {seen[fn.name]} and {i} are both called {fn.name!r}; names must be unique",
+                f"tools.{i}.function.name",
+            )
+        seen[fn.name] = i
+        if fn.parameters is not None:
+            schema_text(fn.parameters, f"tools.{i}.function.parameters")
 
 
-class NamedCallParser(ToolCallParser):
-    """A named function: the whole text is its arguments, passed on as it comes."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
-
-    def feed(self, text: str) -> Parsed:
-        if not text:
-            return Parsed()
-        if self.num_calls == 0:
-            return Parsed(calls=[self._call(self.name, text)])
-        return Parsed(calls=[{"index": 0, "function": {"arguments": text}}])
-
-    def finish(self) -> Parsed:
-        if self.num_calls == 0:
-            return Parsed(calls=[self._call(self.name, "")])
-        return Parsed()
-
-
-class CallListParser(ToolCallParser):
-    """`tool_choice: "required"`: a JSON array of `{"name", "parameters"}`, each call given
-    out once its object is complete. Text that never made a call (cut by max_tokens before the
-    first one closed) is given out as content at the end."""
-
-    def __init__(self, names: set[str]) -> None:
-        super().__init__()
-        self.names = names
-        self._text = ""
-        self._pos = 0
-        self._opened = False
-        self._done = False
-
-    def feed(self, text: str) -> Parsed:
-        self._text += text
-        out = Parsed()
-        if "}" not in text and not (not self._opened and "[" in text):
-            return out
-        while not self._done:
-            rest = self._text[self._pos :]
-            stripped = rest.lstrip(" \t\r\n,")
-            self._pos += len(rest) - len(stripped)
-            if not stripped:
-                break
-            if not self._opened:
-                if stripped[0] != "[":
-                    self._done = True
-                    break
-                self._opened = True
-                self._pos += 1
-                continue
-            if stripped[0] == "]":
-                self._done = True
-                break
-            start = self._pos
-            try:
-                item, end = _DECODER.raw_decode(self._text, start)
-            except json.JSONDecodeError:
-                break  # not complete yet
-            except RecursionError:  # nested past what the decoder takes: not a call
-                self._done = True
-                break
-            self._pos = end
-            if not (isinstance(item, dict) and item.get("name") in self.names):
-                self._done = True
-                break
-            written = member_text(self._text, start, "parameters")
-            args = _arguments(item.get("parameters", {}), written)
-            out.calls.append(self._call(item["name"], args))
-        return out
-
-    def finish(self) -> Parsed:
-        if self.num_calls == 0 and self._text:
-            return Parsed(content=self._text)
-        return Parsed()
-
-
-OPEN_TAG = "<tool_call>"
-CLOSE_TAG = "</tool_call>"
-
-
-def _tag_prefix_len(text: str) -> int:
-    """Length of the longest end of `text` that is the start of OPEN_TAG."""
-    for n in range(min(len(text), len(OPEN_TAG) - 1), 0, -1):
-        if OPEN_TAG.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class HermesParser(ToolCallParser):
-    """`tool_choice: "auto"`: calls written as Hermes and Qwen models write them,
-    `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, or as SmolLM2 writes
-    them, a JSON list of such calls in one block (`<tool_call>[{...}, {...}]</tool_call>`;
-    `[]`, its word for no call, is dropped), anywhere in the text. The text around them is
-    content: the whitespace before a call is dropped, and the whitespace after one is kept
-    only between two pieces of text. A block that does not hold calls of the tools only (bad
-    JSON, an unknown name) stays content as written. Streamed content holds back what may
-    start a block (trailing whitespace, part of the tag) until the next text says."""
-
-    def __init__(self, names: set[str]) -> None:
-        super().__init__()
-        self.names = names
-        self._outside = ""  # text after the last block, not given out yet
-        self._block: str | None = None  # inside a block: its text so far
-        self._space_before = ""  # the whitespace held before the open block
-        self._after_call = False  # only whitespace since the last call
-        self._emitted = False  # some content has been given out
-
-    def _emit(self, out: Parsed, text: str) -> None:
-        if text:
-            out.content += text
-            self._emitted = True
-
-    def _parse_item(self, data: Any, text: str, start: int) -> tuple[str, str] | None:
-        """(name, arguments) of the call `data` written at text[start], or None if it is not
-        a call of one of the tools."""
-        if not isinstance(data, dict) or data.get("name") not in self.names:
-            return None
-        key = "arguments" if "arguments" in data else "parameters"
-        args = data.get(key, {})
-        if not isinstance(args, dict | str):
-            return None
-        return data["name"], _arguments(args, member_text(text, start, key))
-
-    def _parse_calls(self, body: str) -> list[tuple[str, str]] | None:
-        """The calls a block's (stripped) text holds, all or none: None unless it is one call
-        or a list of calls, every one of a tool."""
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(data, list):
-            call = self._parse_item(data, body, 0)
-            return None if call is None else [call]
-        calls = []
-        for item, start in _list_items(body):
-            call = self._parse_item(item, body, start)
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
-
-    def _close(self, body: str, closed: bool, out: Parsed) -> None:
-        calls = self._parse_calls(body.strip())
-        if calls is not None:
-            out.calls += [self._call(name, arguments) for name, arguments in calls]
-            self._after_call = True
-        else:
-            end = CLOSE_TAG if closed else ""
-            self._emit(out, self._space_before + OPEN_TAG + body + end)
-        self._space_before = ""
-        self._block = None
-
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        if self._block is None:
-            self._outside += text
-        else:
-            self._block += text
-        while True:
-            if self._block is not None:
-                end = self._block.find(CLOSE_TAG)
-                if end < 0:
-                    break
-                rest = self._block[end + len(CLOSE_TAG) :]
-                self._close(self._block[:end], True, out)
-                self._outside = rest
-                continue
-            if self._after_call:
-                text_after = self._outside.lstrip()
-                if not text_after:
-                    break
-                space = self._outside[: len(self._outside) - len(text_after)]
-                self._outside = (space if self._emitted else "") + text_after
-                self._after_call = False
-            start = self._outside.find(OPEN_TAG)
-            if start < 0:
-                break
-            before = self._outside[:start]
-            kept = before.rstrip()
-            self._emit(out, kept)
-            self._space_before = before[len(kept) :]
-            self._block = self._outside[start + len(OPEN_TAG) :]
-            self._outside = ""
-        if self._block is None and not self._after_call:
-            held = _tag_prefix_len(self._outside)
-            kept = self._outside[: len(self._outside) - held].rstrip()
-            self._emit(out, kept)
-            self._outside = self._outside[len(kept) :]
-        return out
-
-    def finish(self) -> Parsed:
-        out = Parsed()
-        if self._block is not None:
-            self._close(self._block, False, out)
-        elif not self._after_call:
-            self._emit(out, self._outside)
-        self._outside = ""
-        return out
-
-
-def _list_items(text: str) -> list[tuple[Any, int]]:
-    """Each item of the JSON list that is `text` (valid JSON), with where it starts."""
-    items = []
-    pos = _skip_space(text, 1)
-    while text[pos] != "]":
-        item, end = _DECODER.raw_decode(text, pos)
-        items.append((item, pos))
-        pos = _skip_space(text, end)
-        if text[pos] == ",":
-            pos = _skip_space(text, pos + 1)
-    return items
-
-
-def merge_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Whole tool calls from their stream deltas, in index order."""
-    calls: dict[int, dict[str, Any]] = {}
-    for d in deltas:
-        call = calls.get(d["index"])
-        if call is None:
-            calls[d["index"]] = {
-                "id": d["id"],
-                "type": d["type"],
-                "function": {"name": d["function"]["name"], "arguments": ""},
-            }
-            call = calls[d["index"]]
-        call["function"]["arguments"] += d["function"].get("arguments", "")
-    return [calls[i] for i in sorted(calls)]
+def tools_json(tools: list[Tool]) -> str:
+    """The tools as the chat template reads them (ChatPrompt.tools_json)."""
+    return json.dumps([t.function.as_tool() for t in tools], ensure_ascii=False)

@@ -34,7 +34,7 @@ from control_plane.chat_templates import (
 )
 from control_plane.config import ControlPlaneConfig
 from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
-from gateway.tools import HermesParser, Parsed, merge_calls
+from gateway.tool_parsers import HermesParser, Parsed, merge_calls
 from pagedserve.cli import build_parser
 from pagedserve.model_source import smollm2_gguf
 from pagedserve.sampling_params import InvalidRequestError

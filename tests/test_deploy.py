@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 # Variables read outside argparse (logging, the model cache).
 NON_FLAG_ENV = {"PAGEDSERVE_LOG_FORMAT", "PAGEDSERVE_LOG_LEVEL", "PAGEDSERVE_CACHE_DIR"}
-GATEWAY_ROUTES = {getattr(r, "path", None) for r in create_app(GatewayConfig()).routes}
+GATEWAY_ROUTES = set(create_app(GatewayConfig()).openapi()["paths"])
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

@@ -16,10 +16,11 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
-from gateway.app import _beam_search
-from gateway.choices import expand_choices, sampling_proto
+from gateway.chat_completion.protocol import ChatCompletionRequest
+from gateway.choices import expand_choices
+from gateway.completion.protocol import CompletionRequest
 from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.sampling import SamplingFields, beam_search_proto, sampling_proto
 from pagedserve.sampling_params import InvalidRequestError
 from pagedserve.wire import sampling_from_proto
 from protos.v1 import common_pb2
@@ -126,7 +127,7 @@ def _request(model: type[SamplingFields], body: dict[str, Any]) -> pb.GenerateRe
     req.check()
     logprobs = _logprobs(req)
     sampling = sampling_proto(req, logprobs)
-    _beam_search(req, sampling)
+    beam_search_proto(req, sampling)
     base = pb.GenerateRequest(sampling=sampling)
     [choice] = expand_choices(base, req.n, 0, "r", True)
     return choice.request

@@ -24,23 +24,23 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from gateway.choices import sampling_proto
+from gateway.chat_completion.protocol import ChatCompletionRequest
+from gateway.completion.protocol import CompletionRequest
 from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.json_schema import SchemaError, check_schema
 from gateway.responses import ChatFormat
+from gateway.sampling import sampling_proto
 from gateway.schemas import ChatCompletionChunk, ChatCompletionResponse
-from gateway.tools import (
+from gateway.tool_parsers import (
     CallListParser,
     HermesParser,
     NamedCallParser,
     Parsed,
-    SchemaError,
     ToolCallParser,
-    check_schema,
     member_text,
     merge_calls,
-    required_schema,
 )
+from gateway.tools import required_schema
 from pagedserve import grammar
 from pagedserve.model_source import ensure_default_model
 from pagedserve.sampling_params import StructuredOutput

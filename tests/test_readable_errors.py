@@ -9,8 +9,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from gateway.completion.protocol import CompletionRequest
 from gateway.errors import install_handlers
-from gateway.protocol import CompletionRequest
 from pagedserve.gguf import GGUFError, open_gguf
 from tests.gguf_files import Q, write_gguf
 

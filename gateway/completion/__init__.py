@@ -1,0 +1,1 @@
+"""POST /v1/completions: its body, its serving and its route."""

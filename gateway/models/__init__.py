@@ -1,0 +1,1 @@
+"""GET /v1/models: its serving and its route."""

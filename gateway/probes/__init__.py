@@ -1,0 +1,1 @@
+"""The probes GET /version, /health and /metrics: their serving and their routes."""

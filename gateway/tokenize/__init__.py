@@ -1,0 +1,1 @@
+"""vLLM's POST /tokenize and /detokenize: their bodies, their serving and their routes."""
