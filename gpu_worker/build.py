@@ -1,6 +1,6 @@
 """Builds a worker rank: loads its model (its shard under tensor parallelism), sizes its KV
 pool and makes its runner. Every rank is built here the same way; rank 0's server
-(`gpu_worker.server`) and the other ranks (`gpu_worker.parallel.follower`) each wrap the result.
+(`gpu_worker.server`) and the other ranks (`gpu_worker.follower`) each wrap the result.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from gpu_worker.config import (
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM, pack_dtype
+from gpu_worker.models.shard import Shard
 from gpu_worker.parallel.followers import Followers
 from gpu_worker.parallel.group import TPGroup
-from gpu_worker.parallel.shard import Shard
 from gpu_worker.team import TeamSizer
 from pagedserve.grammar import GrammarCompiler, vocab_tokenizer
 from pagedserve.log import get_logger, human_bytes

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from gpu_worker.models.base import TensorParallel
 from gpu_worker.models.config import ModelConfig, UnsupportedModelError
 from gpu_worker.models.llama import CausalLM
-from gpu_worker.parallel.group import TPGroup
 from pagedserve.gguf import GGUFCheckpoint, GGUFError, find_gguf, open_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,7 +28,7 @@ def load_model(
     model_path: str | Path,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
-    tp: TPGroup | None = None,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """Build the model at `model_path` and fill it from its weights.
 
@@ -90,7 +90,7 @@ def _fill(
     get: Callable[[str], torch.Tensor],
     dtype: torch.dtype,
     device: str | torch.device,
-    tp: TPGroup | None = None,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     model = CausalLM(config, dtype=dtype, device=device, tp=tp)
     missing = [name for name in model.checkpoint_tensor_names() if name not in available]

@@ -125,7 +125,7 @@ def test_an_impossible_split_is_refused(port: int) -> None:
     assert "9 attention heads do not split over tensor-parallel size 2" in stderr
     # Ranks 1.. would run under `pagedserve.child_exec <rank 0's pid>`.
     leftover = subprocess.run(
-        ["pgrep", "-f", f"child_exec {proc.pid} .*gpu_worker.parallel.follower"],
+        ["pgrep", "-f", f"child_exec {proc.pid} .*gpu_worker.follower"],
         capture_output=True,
         text=True,
     ).stdout
@@ -148,7 +148,7 @@ def test_a_dead_rank_takes_its_group_down_and_requests_move(
     )
     group = stack.workers[1]
     ranks = subprocess.run(
-        ["pgrep", "-P", str(group.proc.pid), "-f", "gpu_worker.parallel.follower"],
+        ["pgrep", "-P", str(group.proc.pid), "-f", "gpu_worker.follower"],
         capture_output=True,
         text=True,
     ).stdout.split()

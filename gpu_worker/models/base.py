@@ -1,10 +1,15 @@
-"""The contract between a model and the attention backend that owns the KV cache."""
+"""The contracts a model is built against: the attention backend that owns the KV cache
+(`AttentionFn`) and, under tensor parallelism, its rank's group (`TensorParallel`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.models.shard import Shard
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """`attn(layer_idx, q, k, v) -> out`, called once per decoder layer, in layer order.
@@ -28,3 +33,32 @@ sharing (`num_heads // num_kv_heads` query heads per KV head) and the softmax sc
 the token stride is larger than `num_heads * head_dim`. A kernel that needs packed memory calls
 `.contiguous()` itself; the backend must not write into them.
 """
+
+
+class TensorParallel(Protocol):
+    """One rank's tensor-parallel group as the model and its runner see it
+    (`gpu_worker.parallel.group.TPGroup` is the one that runs): what the rank holds, and the
+    collectives of a step. Every rank calls each collective in the same order, with tensors of
+    the same shape."""
+
+    @property
+    def shard(self) -> Shard:
+        """What this rank holds of the model."""
+        ...
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples (rank 0); the others take its tokens."""
+        ...
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums t over the ranks, in place, and returns it."""
+        ...
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """`[R, vocab_rows]` on each rank -> `[R, vocab]` on each rank."""
+        ...
+
+    def broadcast_tokens(self, token_ids: list[int] | None, count: int) -> list[int]:
+        """Rank 0's `count` sampled token ids (None on the other ranks), on every rank."""
+        ...

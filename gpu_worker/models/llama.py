@@ -40,20 +40,17 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker import cpu_isa, cpu_team
-from gpu_worker.models.base import AttentionFn
+from gpu_worker.models.base import AttentionFn, TensorParallel
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.fused_ops import TorchOps, ops_for
 from gpu_worker.models.rope import cos_sin_table, inv_frequencies
-
-if TYPE_CHECKING:
-    from gpu_worker.parallel.group import TPGroup
 
 TensorSource = Callable[[str], torch.Tensor]
 """Returns the checkpoint tensor with the given HF name."""
@@ -174,7 +171,7 @@ class DecoderLayer(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
-        tp: TPGroup | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -284,9 +281,9 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        tp: TPGroup | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
-        """With `tp`, the shard of one tensor-parallel rank (`gpu_worker/parallel/`);
+        """With `tp`, the shard of one tensor-parallel rank (`gpu_worker.models.shard`);
         `config` stays the whole model's."""
         super().__init__()
         dev = torch.device(device)

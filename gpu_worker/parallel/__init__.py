@@ -12,8 +12,8 @@ the model and of the KV pool, Megatron-style.
       │
     rank 0 samples and broadcasts the sampled token ids; every rank appends them.
 
-Every rank is built the same way (`gpu_worker.build.build_worker`); a follower runs its plans
-beside its runner (`follower`) and never imports the RPC server.
+Every rank is built the same way (`gpu_worker.build.build_worker`); ranks 1..N-1 run their
+plans beside their runner (`gpu_worker.follower`) and never import the RPC server.
 
 Collectives are gloo on CPU (NCCL on CUDA) with a time-out; plans travel over pipes, which
 have none, so an idle group waits for ever and a group whose rank 0 dies sees end-of-file.
@@ -23,7 +23,7 @@ worker's --host: none of it asks who connects.
 A rank that dies takes the group down: rank 0 exits when any other rank exits (`Followers`
 watches them), and the others exit at end-of-file or when a collective fails.
 
-Modules, leaves first: `shard` (what a rank holds), `group` (the collectives), `pipe` (the
-frames on a follower's stdin), `followers` (rank 0's handle on the others), `follower` (the
-entry point of ranks 1..N-1).
+Here: `group` (this rank's collectives), `pipe` (the frames on a follower's stdin),
+`followers` (rank 0's handle on the others). What a rank holds of the model is
+`gpu_worker.models.shard`.
 """

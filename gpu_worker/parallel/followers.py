@@ -27,8 +27,7 @@ class Followers:
         for rank in range(1, size):
             cmd = [
                 sys.executable, "-m", "pagedserve.child_exec", str(os.getpid()),
-                sys.executable, "-m", "gpu_worker.parallel.follower", str(rank), str(size),
-                str(port),
+                sys.executable, "-m", "gpu_worker.follower", str(rank), str(size), str(port),
             ]  # fmt: skip
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
             assert proc.stdin is not None

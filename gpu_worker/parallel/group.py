@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpu_worker.parallel.shard import Shard
+from gpu_worker.models.shard import Shard
 
 # A collective that waits longer than this (a rank hung, not dead) fails the step.
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -43,7 +43,7 @@ def _listen(port: int) -> int:
 
 
 class TPGroup:
-    """This rank's shard and the group's collectives."""
+    """This rank's shard and the group's collectives (a `models.base.TensorParallel`)."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard

@@ -1,8 +1,8 @@
-"""Ranks 1..N-1 of a tensor-parallel group: `python -m gpu_worker.parallel.follower RANK SIZE
-PORT`, started by rank 0 (`followers.Followers`) with the worker's config as the first frame on
-stdin. A follower is built as rank 0 is (`gpu_worker.build.build_worker`), then runs the plans
-rank 0 relays on its runner until a stop or end-of-file. It serves no RPC: rank 0 holds the
-Execute stream."""
+"""Ranks 1..N-1 of a tensor-parallel group: `python -m gpu_worker.follower RANK SIZE PORT`,
+started by rank 0 (`gpu_worker.parallel.followers.Followers`) with the worker's config as the
+first frame on stdin. A follower is built as rank 0 is (`gpu_worker.build.build_worker`), then
+runs the plans rank 0 relays on its runner until a stop or end-of-file. It serves no RPC: rank
+0 holds the Execute stream (`gpu_worker.server`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""What one tensor-parallel rank holds of the model: its heads, intermediate columns and
-vocabulary rows, and its slice of each checkpoint tensor."""
+"""What one tensor-parallel rank holds of a llama-family model: its heads, intermediate
+columns and vocabulary rows, and its slice of each checkpoint tensor (by HF name). The group
+that runs the ranks is `gpu_worker.parallel`."""
 
 from __future__ import annotations
 
