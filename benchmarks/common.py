@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedserve.cluster import grpc_serving
+from pagedserve.cli.cluster import grpc_serving
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODELS_DIR = RESULTS_DIR / "models"
@@ -34,7 +34,7 @@ def model_dir(preset: str, root: Path | None = None, seed: int = 0) -> Path:
     from gpu_worker.model_init import write_random_checkpoint
 
     if preset == "smollm2":
-        from pagedserve.model_source import ensure_default_model
+        from pagedserve.cli.model_source import ensure_default_model
 
         return ensure_default_model()
     path = (root or MODELS_DIR) / f"{preset}-llama-seed{seed}"
@@ -149,7 +149,7 @@ class Process:
 
     def wait_http(self, url: str, timeout: float = 300.0) -> None:
         """Until GET `url` answers 200 (an HTTP server's health endpoint)."""
-        from pagedserve.cluster import http_ok
+        from pagedserve.cli.cluster import http_ok
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -40,7 +40,7 @@ from benchmarks.common import (
 from benchmarks.offline_throughput import _drive
 from benchmarks.serve_compare import one_round
 from pagedserve import grpc_security
-from pagedserve.bench.workload import BenchRequest
+from pagedserve.cli.bench.workload import BenchRequest
 
 WAYS = ("grpc", "http", "sse")
 

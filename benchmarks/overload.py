@@ -65,7 +65,7 @@ from benchmarks.common import (
     percentile,
     write_json,
 )
-from pagedserve.bench.client import post, sse_payloads
+from pagedserve.cli.bench.client import post, sse_payloads
 from pagedserve.heap import freeze_heap
 
 STALL_TIMEOUT_S = 5.0

@@ -6,7 +6,7 @@ Workloads (`--workload`):
 
 * `w64`: 64 completions of random token ids (prompts 32..256, outputs 32..256 tokens,
   `ignore_eos`), a fresh seed every round, so no round hits a prefix cached by an earlier one.
-* `chat` (SmolLM2 only): the 64 chat prompts of `pagedserve.bench.chat_prompts`
+* `chat` (SmolLM2 only): the 64 chat prompts of `pagedserve.cli.bench.chat_prompts`
   (`/v1/chat/completions`, greedy, `max_tokens` 512, natural stops at `<|im_end|>`); every
   round opens each question differently (`LEAD_INS`) for the same reason.
 
@@ -45,10 +45,10 @@ from benchmarks.common import (
     model_dir,
     write_json,
 )
-from pagedserve.bench.serve import ServeConfig, run
-from pagedserve.bench.workload import BenchRequest, LengthRange, chat_requests, random_requests
+from pagedserve.cli.bench.serve import ServeConfig, run
+from pagedserve.cli.bench.workload import BenchRequest, LengthRange, chat_requests, random_requests
+from pagedserve.cli.model_source import DEFAULT_MODEL_NAME, ensure_default_model
 from pagedserve.heap import freeze_heap
-from pagedserve.model_source import DEFAULT_MODEL_NAME, ensure_default_model
 
 W64_LENGTHS = LengthRange(32, 256)
 WARMUP_ROUND = 10_000  # the warm-up rounds' prompts: none of a measured round's

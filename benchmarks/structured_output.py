@@ -41,7 +41,7 @@ from benchmarks.common import (
     write_json,
 )
 from gpu_worker.config import auto_dtype
-from pagedserve.model_source import ensure_default_model
+from pagedserve.cli.model_source import ensure_default_model
 from tests.json_schemas import BENCHMARK_SCHEMAS, TWENTY_PROPERTY_SCHEMA, check_schema, schema_named
 
 MAX_TOKENS = 512

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.metrics import distribution
+from pagedserve.latency import distribution
 from simulator.cluster import SimResult
 
 

@@ -27,8 +27,8 @@ from gpu_worker.checkpoint import load_model
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_init import EOS_ID
 from gpu_worker.model_runner import ModelRunner
+from pagedserve.cli.model_source import ensure_default_model
 from pagedserve.grammar import GrammarCompiler, allowed_tokens, vocab_tokenizer
-from pagedserve.model_source import ensure_default_model
 from pagedserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb

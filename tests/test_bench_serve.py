@@ -14,18 +14,19 @@ from typing import Any
 
 import pytest
 
-from pagedserve.bench.cli import format_report
-from pagedserve.bench.client import request_body, send
-from pagedserve.bench.metrics import distribution, summarize
-from pagedserve.bench.serve import ServeConfig, arrival_times, run
-from pagedserve.bench.workload import (
+from pagedserve.cli.bench.cli import format_report
+from pagedserve.cli.bench.client import request_body, send
+from pagedserve.cli.bench.metrics import summarize
+from pagedserve.cli.bench.serve import ServeConfig, arrival_times, run
+from pagedserve.cli.bench.workload import (
     BenchRequest,
     LengthRange,
     chat_requests,
     random_requests,
     shared_prefix_requests,
 )
-from pagedserve.cli import main as cli_main
+from pagedserve.cli.main import main as cli_main
+from pagedserve.latency import distribution
 from pagedserve.ports import free_port
 from tests.gateway_stack import GatewayStack, shared_gateway_stack
 
@@ -168,7 +169,7 @@ def test_run_and_summaries(fake_url: str, tmp_path: Path) -> None:
         assert r["output_throughput"] > 0 and r["ttft"]["p99_ms"] >= r["ttft"]["p50_ms"]
     report.update(num_prompts=6)
     assert "TTFT p99" in format_report(report)
-    from pagedserve.bench.plot import write_plot
+    from pagedserve.cli.bench.plot import write_plot
 
     write_plot(report, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
@@ -177,7 +178,7 @@ def test_run_and_summaries(fake_url: str, tmp_path: Path) -> None:
 def test_plot_reads_by_rate_and_in_ms(fake_url: str) -> None:
     """The rate panel: a linear axis whose last tick says "all at once", a legend naming both
     axes' series; TTFT and TPOT in ms; one run alone: three CDFs in a row, figures in the title."""
-    from pagedserve.bench.plot import build_figure
+    from pagedserve.cli.bench.plot import build_figure
 
     reqs = random_requests(6, LengthRange(2, 4), LengthRange(2, 5), 50, seed=0)
     cfg = ServeConfig(fake_url, request_rates=(50.0, 100.0, math.inf), progress=False)

@@ -22,7 +22,7 @@ import torch
 
 from gpu_worker import cpu_isa
 from gpu_worker.models import fused_ops
-from pagedserve.model_source import ensure_default_model
+from pagedserve.cli.model_source import ensure_default_model
 from tests.oracle import hf_greedy_top, hf_model
 from tests.procs import ServerProcess
 from tests.stack import Stack, generate, start_stack
@@ -159,7 +159,7 @@ def test_smollm2_close_to_transformers_bf16(spawn: Callable[..., ServerProcess])
     to transformers' own reading of the file), in bf16 on both sides."""
     model = ensure_default_model()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    from pagedserve.bench.chat_prompts import CHAT_PROMPTS
+    from pagedserve.cli.bench.chat_prompts import CHAT_PROMPTS
 
     prompts = []
     for text in CHAT_PROMPTS[:6]:

@@ -35,8 +35,8 @@ from control_plane.chat_templates import (
 from control_plane.config import ControlPlaneConfig
 from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
 from gateway.tool_parsers import HermesParser, Parsed, merge_calls
-from pagedserve.cli import build_parser
-from pagedserve.model_source import smollm2_gguf
+from pagedserve.cli.main import build_parser
+from pagedserve.cli.model_source import smollm2_gguf
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import control_plane_pb2 as pb
 from tests.gateway_stack import HttpProcess, Processes

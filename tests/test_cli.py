@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cli import build_parser, parse_bytes
+from pagedserve.cli.main import build_parser, parse_bytes
 from tests.procs import drain, free_port, read_until
 
 
@@ -176,7 +176,7 @@ def test_services_stop_on_sigint_and_sigterm_even_when_sigint_was_ignored(
     micro_llama: Path, stop_signal: signal.Signals
 ) -> None:
     """A shell starts background jobs with SIGINT ignored; `docker stop` sends SIGTERM."""
-    from pagedserve.cluster import grpc_serving
+    from pagedserve.cli.cluster import grpc_serving
 
     wport, cport = free_port(), free_port()
     commands = {
@@ -256,8 +256,9 @@ def test_only_the_worker_loads_torch() -> None:
     """The control plane, the gateway and `up`'s supervisor never run a model: importing torch
     would cost each of them ~1.5 s of CPU at every start and ~200 MiB of memory."""
     code = (
-        "import sys, control_plane.server, gateway.server, pagedserve.cli, pagedserve.cluster, "
-        "pagedserve.model_source, pagedserve.gguf, pagedserve.grammar, control_plane.tokenizer; "
+        "import sys, control_plane.server, gateway.server, pagedserve.cli.main, "
+        "pagedserve.cli.cluster, pagedserve.cli.model_source, pagedserve.gguf, pagedserve.grammar, "
+        "control_plane.tokenizer; "
         "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') "
         "if m in sys.modules))"
     )

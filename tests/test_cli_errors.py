@@ -20,7 +20,7 @@ import pytest
 
 from gpu_worker.attention import cpu_prefill
 from pagedserve import ports
-from pagedserve.cluster import try_curl
+from pagedserve.cli.cluster import try_curl
 from pagedserve.ports import PortError, PortRequest, choose_ports, up_ports
 from tests.gateway_stack import HttpProcess
 from tests.procs import ServerProcess, free_port, read_until

@@ -17,7 +17,7 @@ import yaml
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from pagedserve.cli import build_parser
+from pagedserve.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"

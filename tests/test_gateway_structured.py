@@ -42,7 +42,7 @@ from gateway.tool_parsers import (
 )
 from gateway.tools import required_schema
 from pagedserve import grammar
-from pagedserve.model_source import ensure_default_model
+from pagedserve.cli.model_source import ensure_default_model
 from pagedserve.sampling_params import StructuredOutput
 from pagedserve.wire import sampling_from_proto
 from tests.gateway_stack import GatewayStack, HttpProcess, Processes, shared_gateway_stack

@@ -216,7 +216,7 @@ def test_no_control_plane(fx: Fixture) -> None:
 
 def test_gateway_never_imports_torch() -> None:
     code = (
-        "import sys; from pagedserve.cli import build_parser; import gateway.server; "
+        "import sys; from pagedserve.cli.main import build_parser; import gateway.server; "
         "build_parser(); sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

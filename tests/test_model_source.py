@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve import model_source
-from pagedserve.gguf import GGUFError
-from pagedserve.model_source import (
+from pagedserve.cli import model_source
+from pagedserve.cli.model_source import (
     DEFAULT_MODEL_NAME,
     InvalidCheckpointError,
     ModelNotFoundError,
@@ -20,6 +19,7 @@ from pagedserve.model_source import (
     resolve_model,
     smollm2_gguf,
 )
+from pagedserve.gguf import GGUFError
 from tests.conftest import MICRO
 
 
@@ -165,7 +165,7 @@ def test_checking_a_checkpoint_loads_no_torch(micro_llama: Path) -> None:
     """`up`'s supervisor checks the checkpoint but runs no model: torch would cost it ~1.5 s
     of CPU at every start and ~200 MiB for as long as it runs."""
     code = (
-        "import sys; from pagedserve.model_source import resolve_model; "
+        "import sys; from pagedserve.cli.model_source import resolve_model; "
         f"resolve_model({str(micro_llama)!r}); print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

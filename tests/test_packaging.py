@@ -168,10 +168,11 @@ def test_the_entry_points_import_without_dev_tools(without_dev_tools: dict[str, 
     blocked = _python("import transformers", env)
     assert blocked.returncode != 0 and "not a runtime dependency" in blocked.stderr
     code = (
-        "import pagedserve.cli, pagedserve.cluster, pagedserve.model_source, pagedserve.gguf, "
-        "pagedserve.grammar, pagedserve.client, control_plane.server, control_plane.tokenizer, "
-        "gateway.server, gpu_worker.server, gpu_worker.checkpoint, simulator.cli\n"
-        "p = pagedserve.cli.build_parser()\n"
+        "import pagedserve.cli.main, pagedserve.cli.cluster, pagedserve.cli.model_source, "
+        "pagedserve.gguf, pagedserve.grammar, pagedserve.cli.client, control_plane.server, "
+        "control_plane.tokenizer, gateway.server, gpu_worker.server, gpu_worker.checkpoint, "
+        "simulator.cli\n"
+        "p = pagedserve.cli.main.build_parser()\n"
         "for argv in (['up'], ['worker'], ['control-plane', '--workers', 'h:1'], ['gateway'], "
         "['generate', '--prompt', 'x'], ['stats'], ['model', 'convert', 'a.gguf', 'd'], "
         "['bench', 'serve'], ['simulate']):\n"

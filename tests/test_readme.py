@@ -182,7 +182,7 @@ def _run(example: Example, ports: dict[str, str], tmp_path: Path) -> str:
 def test_the_readme_names_every_port_flag_of_up() -> None:
     import argparse
 
-    from pagedserve.cli import build_parser
+    from pagedserve.cli.main import build_parser
 
     (subcommands,) = [
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)

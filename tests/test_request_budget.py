@@ -25,8 +25,8 @@ from control_plane.tokenizer import LoadedTokenizer, load_tokenizer
 from gateway.choices import Budget
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from pagedserve.cli import build_parser
-from pagedserve.model_source import ModelNotFoundError, smollm2_gguf
+from pagedserve.cli.main import build_parser
+from pagedserve.cli.model_source import ModelNotFoundError, smollm2_gguf
 from protos.v1 import control_plane_pb2 as pb
 from tests.gateway_stack import HttpProcess, Processes
 from tests.oracle import hf_gguf_tokenizer

@@ -20,9 +20,9 @@ import torch
 
 from control_plane.chat import render_chat
 from control_plane.tokenizer import load_tokenizer
-from pagedserve.bench.chat_prompts import CHAT_PROMPTS
+from pagedserve.cli.bench.chat_prompts import CHAT_PROMPTS
+from pagedserve.cli.model_source import smollm2_gguf
 from pagedserve.gguf import convert_gguf
-from pagedserve.model_source import smollm2_gguf
 from protos.v1 import control_plane_pb2 as pb
 from tests.oracle import hf_gguf_tokenizer, hf_greedy, hf_model
 from tests.procs import ServerProcess

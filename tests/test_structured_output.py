@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pagedserve.model_source import ensure_default_model
+from pagedserve.cli.model_source import ensure_default_model
 from protos.v1 import common_pb2
 from protos.v1 import control_plane_pb2 as pb
 from tests.json_schemas import (

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pagedserve.model_source import ensure_default_model, smollm2_gguf
+from pagedserve.cli.model_source import ensure_default_model, smollm2_gguf
 from tests.conftest import MICRO
 from tests.oracle import hf_greedy
 from tests.procs import ServerProcess

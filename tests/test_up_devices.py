@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from pagedserve import cluster
-from pagedserve.cli import build_parser
-from pagedserve.devices import DeviceError, worker_environments
+from pagedserve.cli import cluster
+from pagedserve.cli.devices import DeviceError, worker_environments
+from pagedserve.cli.main import build_parser
 
 
 class _Started(Exception):

@@ -12,7 +12,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.workload import (
+from pagedserve.cli.bench.workload import (
     BenchRequest,
     LengthRange,
     chat_requests,
@@ -110,7 +110,7 @@ def build_requests(a: argparse.Namespace) -> list[BenchRequest]:
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from pagedserve.bench.serve import BenchError, ServeConfig, run
+    from pagedserve.cli.bench.serve import BenchError, ServeConfig, run
 
     try:
         cfg = ServeConfig(
@@ -153,7 +153,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         a.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {a.out}")
     if a.plot is not None:
-        from pagedserve.bench.plot import write_plot
+        from pagedserve.cli.bench.plot import write_plot
 
         write_plot(report, a.plot)
         print(f"wrote {a.plot}")

@@ -38,7 +38,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve import devices, grpc_security
+from pagedserve import grpc_security
+from pagedserve.cli import devices
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
 from pagedserve.log import resolve_format
 

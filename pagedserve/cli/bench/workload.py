@@ -51,7 +51,7 @@ class BenchRequest:
 
 def chat_requests(num: int, max_tokens: int, round_: int = 0) -> list[BenchRequest]:
     """The first `num` chat prompts (cycled), each opened with round `round_`'s lead-in."""
-    from pagedserve.bench.chat_prompts import CHAT_PROMPTS, LEAD_INS
+    from pagedserve.cli.bench.chat_prompts import CHAT_PROMPTS, LEAD_INS
 
     lead = LEAD_INS[round_ % len(LEAD_INS)]
     return [

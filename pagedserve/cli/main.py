@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -65,8 +64,12 @@ def parse_bytes(text: str) -> int:
 
 
 def _model_dir(arg: str | None, check: bool = True) -> str:
+    from pagedserve.cli.model_source import (
+        InvalidCheckpointError,
+        ModelNotFoundError,
+        resolve_model,
+    )
     from pagedserve.gguf import GGUFError
-    from pagedserve.model_source import InvalidCheckpointError, ModelNotFoundError, resolve_model
 
     try:
         return str(resolve_model(arg, check))
@@ -170,7 +173,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from gpu_worker.config import WorkerConfig
     from gpu_worker.models.config import UnsupportedModelError
     from gpu_worker.server import serve
-    from pagedserve.cluster import stop_on_signals
+    from pagedserve.cli.cluster import stop_on_signals
     from pagedserve.log import configure_logging, get_logger
 
     configure_logging("worker", a.log_format)
@@ -211,7 +214,7 @@ def cmd_control_plane(a: argparse.Namespace) -> int:
     from control_plane.config import ControlPlaneConfig
     from control_plane.plane import StartupError
     from control_plane.server import serve
-    from pagedserve.cluster import run_until_signalled, stop_on_signals
+    from pagedserve.cli.cluster import run_until_signalled, stop_on_signals
     from pagedserve.log import configure_logging
 
     configure_logging("control-plane", a.log_format)
@@ -280,7 +283,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from pagedserve.cluster import StartupError, run_cluster
+    from pagedserve.cli.cluster import StartupError, run_cluster
     from pagedserve.ports import PortError, up_ports
 
     tls = sorted(k for k in os.environ if k.startswith("PAGEDSERVE_TLS_"))
@@ -305,7 +308,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def cmd_healthcheck(a: argparse.Namespace) -> int:
-    from pagedserve.cluster import grpc_serving, http_ok
+    from pagedserve.cli.cluster import grpc_serving, http_ok
 
     if a.grpc:
         ok = grpc_serving(a.grpc, a.timeout, _grpc_security(a))
@@ -315,13 +318,13 @@ def cmd_healthcheck(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from pagedserve.client import generate_main
+    from pagedserve.cli.client import generate_main
 
     return generate_main(a, _grpc_security(a, a.control_plane), _token_source(a, a.control_plane))
 
 
 def cmd_stats(a: argparse.Namespace) -> int:
-    from pagedserve.client import stats_main
+    from pagedserve.cli.client import stats_main
 
     return stats_main(a, _grpc_security(a, a.control_plane), _token_source(a, a.control_plane))
 
@@ -822,8 +825,11 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="show the control plane's counters")
     _client_flags(st)
     st.set_defaults(func=cmd_stats)
-    __import__("pagedserve.bench.cli", fromlist=["*"]).register_bench(sub)
-    __import__("simulator.cli", fromlist=["*"]).register_simulate(sub)
+    from pagedserve.cli.bench.cli import register_bench
+    from simulator.cli import register_simulate
+
+    register_bench(sub)
+    register_simulate(sub)
     return parser
 
 
@@ -834,7 +840,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())

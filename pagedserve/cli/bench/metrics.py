@@ -4,32 +4,11 @@ throughput."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.bench.client import RequestResult
-
-PERCENTILES = (50, 90, 99)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]; 0.0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def distribution(values: Sequence[float]) -> dict[str, float]:
-    """Milliseconds: mean and percentiles of values in seconds."""
-    out = {"mean_ms": statistics.fmean(values) * 1e3 if values else 0.0}
-    for q in PERCENTILES:
-        out[f"p{q}_ms"] = percentile(values, q) * 1e3
-    return out
+from pagedserve.cli.bench.client import RequestResult
+from pagedserve.latency import distribution
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, Any]:

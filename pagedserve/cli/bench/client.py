@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from pagedserve.bench.workload import BenchRequest
+from pagedserve.cli.bench.workload import BenchRequest
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import httpx
 
-from pagedserve.bench.client import RequestResult, send
-from pagedserve.bench.metrics import summarize
-from pagedserve.bench.workload import BenchRequest
+from pagedserve.cli.bench.client import RequestResult, send
+from pagedserve.cli.bench.metrics import summarize
+from pagedserve.cli.bench.workload import BenchRequest
 
 Arrival = Literal["poisson", "burst"]
 
