@@ -52,10 +52,12 @@ test: $(DEV_STAMP) redis-server
 	$(PY) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope -m serial $(ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	exit $$rc
 
+# lint-imports checks the import layers and that no package has a cycle (.importlinter).
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy control_plane gpu_worker pagedserve gateway simulator
+	$(VENV)/bin/lint-imports
 
 protos: $(DEV_STAMP)
 	PYTHON=$(PY) scripts/gen_protos.sh
