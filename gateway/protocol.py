@@ -1,8 +1,8 @@
 """What every request body shares, validated before anything reaches the control plane.
 
-Types are strict (no "5" for 5) and the sampling ranges are those of
-`pagedserve.sampling_params.SamplingParams`, so what passes here is rejected upstream only
-for what needs the model: prompt length, vocabulary, context. A body's `check()` covers the
+Types are strict (no "5" for 5) and the sampling ranges are `pagedserve.sampling_params.RANGES`,
+the table `SamplingParams` checks too (`bounded`), so what passes here is rejected upstream
+only for what needs the model: prompt length, vocabulary, context. A body's `check()` covers the
 rules that span fields or name features the gateway does not offer. Each endpoint's body
 lives beside its route (`gateway.completion.protocol`, `gateway.chat_completion.protocol`,
 `gateway.tokenize.protocol`).
@@ -22,11 +22,12 @@ from pydantic import (
     PrivateAttr,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from gateway.errors import bad_request
 from pagedserve.json_values import check_json_value
+from pagedserve.sampling_params import FLOAT32_TINY, RANGES, UINT32_MAX
 
-UINT32_MAX = 2**32 - 1
 # Token ids in one prompt (or one /detokenize): more than any served context holds, so a longer
 # list is refused by its length before its ids are looked at.
 MAX_PROMPT_TOKEN_IDS = 1 << 20
@@ -44,6 +45,22 @@ INTEGRAL = BeforeValidator(_integral)
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX), INTEGRAL]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
 ModelName = Annotated[str, Field(max_length=512)]
+
+
+def bounded(name: str, **kwargs: Any) -> FieldInfo:
+    """A Field bounded by sampling parameter `name`'s range (`RANGES`), with `kwargs`. An open
+    end becomes the nearest value the wire carries: the next integer, or for a float's 0,
+    float32's smallest normal number (a smaller positive value is no longer one in the
+    control plane's float32)."""
+    r = RANGES[name]
+    low, high = r.low, r.high
+    if r.low_open:
+        assert low == 0.0 and isinstance(low, float), name
+        low = FLOAT32_TINY
+    if r.high_open:
+        assert isinstance(high, int), name
+        high -= 1
+    return Field(ge=low, le=high, **kwargs)
 
 
 @functools.cache

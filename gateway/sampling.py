@@ -4,13 +4,12 @@ apply)."""
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, PlainValidator, PrivateAttr
 
 from gateway.errors import bad_request
-from gateway.protocol import INTEGRAL, UINT32_MAX, Body, ModelName, RequestBody, TokenId
+from gateway.protocol import INTEGRAL, Body, ModelName, RequestBody, TokenId, bounded
 from gateway.structured_output import (
     ChoiceList,
     Constraint,
@@ -22,10 +21,9 @@ from gateway.structured_output import (
     requested_constraints,
 )
 from pagedserve.sampling_params import (
-    FLOAT32_TINY,
     MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_N,
+    RANGES,
+    UINT32_MAX,
     EarlyStopping,
     length_penalty_out_of_range,
 )
@@ -41,8 +39,11 @@ def _early_stopping(value: Any) -> EarlyStopping:
     raise ValueError('must be true, false or "never"')
 
 
+_BIAS = RANGES["logit_bias"]
+
+
 def _logit_bias(value: Any) -> dict[int, float] | None:
-    """OpenAI's logit_bias: token ids (as JSON object keys) to biases in [-100, 100]."""
+    """OpenAI's logit_bias: token ids (as JSON object keys) to biases in their range."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -53,12 +54,8 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit() and int(key) <= UINT32_MAX):
             raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
-        if (
-            isinstance(bias, bool)
-            or not isinstance(bias, int | float)
-            or not (math.isfinite(bias) and -100 <= bias <= 100)
-        ):
-            raise ValueError(f"the bias of token {key} must be a number in [-100, 100]")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or bias not in _BIAS:
+            raise ValueError(f"the bias of token {key} must be a number in {_BIAS}")
         out[int(key)] = float(bias)
     return out
 
@@ -68,12 +65,12 @@ LogitBias = Annotated[
     PlainValidator(
         _logit_bias,
         json_schema_input_type=dict[
-            Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]
+            Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, bounded("logit_bias")]
         ]
         | None,
     ),
     Field(
-        description="Token id -> bias added to its logit before sampling, in [-100, 100] "
+        description=f"Token id -> bias added to its logit before sampling, in {_BIAS} "
         f"(-100 bans the token, 100 all but forces it); at most {MAX_LOGIT_BIAS} tokens"
     ),
 ]
@@ -89,23 +86,24 @@ class SamplingFields(RequestBody):
     _constraint: tuple[Constraint | None] | None = PrivateAttr(default=None)
 
     model: ModelName | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=1e4)] | None = None
+    max_tokens: Annotated[int, bounded("max_tokens"), INTEGRAL] | None = None
+    temperature: Annotated[float, bounded("temperature")] | None = None
     # Positive, and still so in the control plane's float32 (its smallest normal number).
-    top_p: Annotated[float, Field(ge=FLOAT32_TINY, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1), INTEGRAL] | None = None  # -1 or 0: off
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(ge=FLOAT32_TINY, le=100.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1), INTEGRAL] | None = None
+    top_p: Annotated[float, bounded("top_p")] | None = None
+    # -1 (vLLM's) or 0: off; -1 is sent as 0.
+    top_k: Annotated[int, Field(ge=-1, le=RANGES["top_k"].high), INTEGRAL] | None = None
+    min_p: Annotated[float, bounded("min_p")] | None = None
+    repetition_penalty: Annotated[float, bounded("repetition_penalty")] | None = None
+    presence_penalty: Annotated[float, bounded("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, bounded("frequency_penalty")] | None = None
+    n: Annotated[int, bounded("n"), INTEGRAL] = 1
+    seed: Annotated[int, bounded("seed"), INTEGRAL] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=64)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX), INTEGRAL] = 0
+    min_tokens: Annotated[int, bounded("min_tokens"), INTEGRAL] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=512)] | None = None
@@ -126,9 +124,9 @@ class SamplingFields(RequestBody):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's newer form of the guided_* parameters"
     )
-    best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = None
+    best_of: Annotated[int, bounded("n"), INTEGRAL] | None = None
     # vLLM's: each prompt token's logprob and this many alternatives (not streamed).
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    prompt_logprobs: Annotated[int, bounded("prompt_logprobs"), INTEGRAL] | None = None
     use_beam_search: Annotated[
         bool,
         Field(
@@ -140,9 +138,8 @@ class SamplingFields(RequestBody):
     ] = False
     length_penalty: Annotated[
         float,
-        Field(
-            ge=-1e3,
-            le=1e3,
+        bounded(
+            "length_penalty",
             description="With `use_beam_search`: a sequence's score is its logprob sum / "
             "length^length_penalty; ignored without it",
         ),

@@ -1,5 +1,7 @@
 """Sampling parameters shared by the control plane (admission, stop checks) and the worker
-(the sampler). Validation lives here so that every entry point rejects the same inputs."""
+(the sampler). Validation lives here so that every entry point rejects the same inputs: the
+numeric parameters' ranges are one table, `RANGES`, which `SamplingParams` checks and the
+gateway's request bodies declare (their OpenAPI bounds included)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,61 @@ EarlyStopping = bool | str  # True, False or "never", as transformers' early_sto
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+# The largest values the protos' uint32 and int32 fields carry.
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric parameter takes: from low to high, each end included unless it is
+    open. A NaN is in no range."""
+
+    low: int | float
+    high: int | float
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: int | float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        return (
+            f"{'(' if self.low_open else '['}{_shown(self.low)}, "
+            f"{_shown(self.high)}{')' if self.high_open else ']'}"
+        )
+
+
+def _shown(x: int | float) -> str:
+    """A bound as messages write it: 10000 for 1e4, 2**63 for 9223372036854775808."""
+    if isinstance(x, int) and x >= 1 << 32 and x & (x - 1) == 0:
+        return f"2**{x.bit_length() - 1}"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+# Every numeric sampling parameter's range. max_tokens, min_tokens and top_k go up to what
+# their proto fields carry (min_tokens also at most max_tokens; top_k 0 is off, and the
+# gateway takes vLLM's -1 for it too). logit_bias is each token's bias.
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, UINT32_MAX),
+    "temperature": Range(0.0, 1e4),
+    "top_k": Range(0, INT32_MAX),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "min_p": Range(0.0, 1.0),
+    "repetition_penalty": Range(0.0, 100.0, low_open=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "seed": Range(0, 2**63, high_open=True),
+    "logprobs": Range(0, MAX_LOGPROBS),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS),
+    "min_tokens": Range(0, UINT32_MAX),
+    "n": Range(1, MAX_N),
+    "beam_width": Range(1, MAX_BEAM_WIDTH),
+    "length_penalty": Range(-1e3, 1e3),
+    "logit_bias": Range(-100, 100),
+}
 
 
 @dataclass(frozen=True)
@@ -114,36 +171,15 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg)
 
-        if self.max_tokens < 1:
-            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not (self.temperature >= 0.0) or self.temperature > 1e4:
-            raise bad(f"temperature must be in [0, 10000], got {self.temperature}")
-        if self.top_k < 0:
-            raise bad(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (0.0 < self.repetition_penalty <= 100.0):
-            raise bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
-        if not (-2.0 <= self.presence_penalty <= 2.0):
-            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
-            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise bad(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in _CHECKED_FIRST:
+            _check_range(name, getattr(self, name))
         if any(not s for s in self.stop):
             raise bad("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if self.min_tokens not in RANGES["min_tokens"] or self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if not (1 <= self.n <= MAX_N):
-            raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
+        _check_range("n", self.n)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad(
                 f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
@@ -160,27 +196,22 @@ class SamplingParams:
         for token_id, bias in self.logit_bias:
             if token_id < 0:
                 raise bad(f"logit_bias: token id {token_id} is negative")
-            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            if bias not in RANGES["logit_bias"]:
                 raise bad(
-                    f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias}"
+                    f"logit_bias: the bias of token {token_id} must be in {RANGES['logit_bias']}, "
+                    f"got {bias}"
                 )
         if self.beam_width:
             self._check_beam_search()
 
     def _check_beam_search(self) -> None:
-        if not (1 <= self.beam_width <= MAX_BEAM_WIDTH):
-            raise InvalidRequestError(
-                f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}"
-            )
+        _check_range("beam_width", self.beam_width)
         if self.n > self.beam_width:
             raise InvalidRequestError(
                 f"beam search returns at most beam_width ({self.beam_width}) sequences, "
                 f"n is {self.n}"
             )
-        if not (-1e3 <= self.length_penalty <= 1e3):  # also refuses NaN
-            raise InvalidRequestError(
-                f"length_penalty must be in [-1000, 1000], got {self.length_penalty}"
-            )
+        _check_range("length_penalty", self.length_penalty)
         if why := length_penalty_out_of_range(self.length_penalty, self.max_tokens):
             raise InvalidRequestError(why)
         if self.early_stopping not in (True, False, "never"):
@@ -216,6 +247,28 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# Checked in this order before the rest (stop strings, min_tokens against max_tokens, ...).
+_CHECKED_FIRST = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+
+def _check_range(name: str, value: int | float | None) -> None:
+    """InvalidRequestError unless `value` is None or in the parameter's range."""
+    if value is not None and value not in RANGES[name]:
+        raise InvalidRequestError(f"{name} must be in {RANGES[name]}, got {value}")
 
 
 def length_penalty_out_of_range(length_penalty: float, max_tokens: int) -> str | None:

@@ -10,7 +10,7 @@ from pydantic import Field
 from gateway.chat_prompt import MAX_MESSAGES, Messages, TemplateKwargs, message_texts
 from gateway.errors import bad_request
 from gateway.json_schema import compact_json
-from gateway.protocol import INTEGRAL, UINT32_MAX
+from gateway.protocol import INTEGRAL, bounded
 from gateway.sampling import SamplingFields
 from gateway.structured_output import Constraint
 from gateway.tools import (
@@ -21,16 +21,15 @@ from gateway.tools import (
     required_schema,
     tools_json,
 )
-from pagedserve.sampling_params import MAX_LOGPROBS
 
 
 class ChatCompletionRequest(SamplingFields):
     MAX_COUNTS = {"messages": (MAX_MESSAGES, "messages")}
 
     messages: Messages
-    max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX), INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, bounded("max_tokens"), INTEGRAL] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    top_logprobs: Annotated[int, bounded("logprobs"), INTEGRAL] | None = None
     add_generation_prompt: bool = True
     tools: Tools | None = Field(
         None, description="Functions the model may call (OpenAI's function tools)"

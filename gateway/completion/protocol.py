@@ -7,9 +7,8 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from gateway.errors import bad_request
-from gateway.protocol import INTEGRAL, MAX_PROMPT_TOKEN_IDS, TokenIds, check_count
+from gateway.protocol import INTEGRAL, MAX_PROMPT_TOKEN_IDS, TokenIds, bounded, check_count
 from gateway.sampling import SamplingFields
-from pagedserve.sampling_params import MAX_LOGPROBS
 
 MAX_CHOICES = 256  # prompts x n in one request
 
@@ -23,7 +22,7 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    logprobs: Annotated[int, bounded("logprobs"), INTEGRAL] | None = None
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
