@@ -73,7 +73,7 @@ class WorkerConfig:
     nice: int = 0
     warmup_batch_size: int = 128  # decode batch sizes whose CPU kernels are built at startup
     grpc_security: GrpcSecurity = INSECURE  # who may call it: token, TLS / mTLS
-    tensor_parallel_size: int = 1  # rank processes sharing the model (gpu_worker/parallel.py)
+    tensor_parallel_size: int = 1  # rank processes sharing the model (gpu_worker/parallel/)
 
     def __post_init__(self) -> None:
         if self.dtype not in (AUTO, *DTYPES):
