@@ -83,3 +83,45 @@ def test_requests_import_nothing_above_them() -> None:
         if isinstance(node, ast.ImportFrom) and node.module
     }
     assert {m for m in imported if m.startswith("control_plane")} == {"control_plane.block_hash"}
+
+
+def test_a_recomputed_beam_group_with_less_budget_than_beams_waits() -> None:
+    """A beam group preempted by recompute, every beam one token short, readmitted behind a
+    request that leaves it less budget than it has beams: nothing of it fits this step, so it
+    waits (schedule() used to raise from zip), and it runs to the end afterwards."""
+    from collections import deque
+
+    from control_plane.block_manager import BlockManager
+    from control_plane.request import Request
+    from control_plane.scheduler import Scheduler, SchedulerConfig
+    from control_plane.scheduler.preemption import preempt
+    from control_plane.scheduler.units import pop_newest
+    from pagedserve.plan import SampledToken, StepPlan, StepResult
+    from pagedserve.sampling_params import SamplingParams
+
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64)
+    s = Scheduler(cfg, BlockManager(14, 0, 4, True))
+    beams = SamplingParams(max_tokens=6, beam_width=3, temperature=0.0)
+    s.add_request(Request("g", list(range(1, 9)), beams))
+
+    def step() -> StepPlan:
+        p = s.schedule()
+        rows = s.sampling_rows(p) if p.num_scheduled_tokens else ()
+        top = [20 + k for k in range(6)], [-0.1 * (k + 1) for k in range(6)]
+        s.update(p, StepResult(p.step_id, {r: SampledToken(20, -0.1, *top) for r in rows}))
+        s.check_integrity()
+        return p
+
+    for _ in range(6):
+        step()
+        if len(s.running) == 3:
+            break
+    assert len(s.running) == 3
+    preempt(s, pop_newest(s.running), StepPlan(99))
+    s.add_request(Request("x", [500, 501, 502], SamplingParams(max_tokens=20)))
+    s.waiting = deque([s.waiting[-1], *list(s.waiting)[:-1]])  # x ahead, an earlier arrival
+    for _ in range(60):
+        step()
+        if not s.has_unfinished_requests():
+            break
+    assert not s.has_unfinished_requests()

@@ -96,8 +96,7 @@ def admit_group(step: StepBuilder, group: BeamGroup) -> bool:
             beam.num_computed_tokens = hit.num_tokens
     _fork_recomputed_beams(bm, group)
     nums = _group_tokens(step, group)
-    ranges = _ranges(group, nums or [])
-    if nums is None or bm.num_blocks_to_reserve(ranges) > bm.num_free_gpu_blocks:
+    if nums is None or bm.num_blocks_to_reserve(_ranges(group, nums)) > bm.num_free_gpu_blocks:
         for beam in group.beams:
             bm.free(beam.req_id)
             beam.num_computed_tokens = 0
