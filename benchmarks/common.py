@@ -9,7 +9,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedserve.cli.cluster import grpc_serving
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve import grpc_security
+from pagedserve.cli.cluster import http_ok
+from pagedserve.grpc_security import INSECURE, GrpcSecurity
+from pagedserve.ports import free_port
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODELS_DIR = RESULTS_DIR / "models"
@@ -106,70 +111,93 @@ def quick_workload(vocab_size: int, seed: int = 0) -> Workload:
 # -- processes ------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+PAGEDSERVE = (sys.executable, "-m", "pagedserve.cli")
 
 
 class Process:
-    """One `pagedserve` subcommand (or, with `program`, another command) as a child process,
-    its output in a temporary log file."""
+    """One command as a child process, by default a `pagedserve` subcommand, its output in a
+    temporary log file (removed by `stop` unless `keep_log`). `env` is added to the process's
+    environment (a None value takes the variable out). Benchmarks and tests (`tests.procs`)
+    start their processes with it."""
 
     def __init__(
         self,
         name: str,
         args: Sequence[str],
-        env: dict[str, str] | None = None,
-        program: Sequence[str] = (sys.executable, "-m", "pagedserve.cli"),
+        env: dict[str, str | None] | None = None,
+        program: Sequence[str] = PAGEDSERVE,
+        log_prefix: str = "bench-",
+        keep_log: bool = False,
     ) -> None:
         self.name = name
-        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+        self.keep_log = keep_log
+        self.log = tempfile.NamedTemporaryFile(
+            prefix=f"{log_prefix}{name}-", suffix=".log", delete=False
+        )
         full_env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": "json", **(env or {})}
         self.proc = subprocess.Popen(
             [*program, *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env=full_env,
+            env={k: v for k, v in full_env.items() if v is not None},
         )
 
     def output(self) -> str:
         with open(self.log.name, errors="replace") as f:
             return f.read()
 
-    def wait_serving(self, address: str, timeout: float = 180.0) -> None:
+    def _check_running(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited early:\n{self.output()[-4000:]}")
+
+    def wait_serving(
+        self,
+        address: str,
+        timeout: float = 180.0,
+        security: GrpcSecurity = INSECURE,
+        service: str = "",
+    ) -> None:
+        """Until the grpc.health.v1 service at `address` names `service` SERVING ("" the
+        server as a whole); `security` as its health check needs (TLS: no token)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited early:\n{self.output()[-4000:]}")
-            if grpc_serving(address):
-                return
-            time.sleep(0.1)
+        with grpc_security.channel(address, security) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                self._check_running()
+                try:
+                    check = health_pb2.HealthCheckRequest(service=service)
+                    r = stub.Check(check, timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
         raise TimeoutError(f"{self.name} not serving at {address}:\n{self.output()[-4000:]}")
 
     def wait_http(self, url: str, timeout: float = 300.0) -> None:
         """Until GET `url` answers 200 (an HTTP server's health endpoint)."""
-        from pagedserve.cli.cluster import http_ok
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited early:\n{self.output()[-4000:]}")
+            self._check_running()
             if http_ok(url, 2.0):
                 return
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not healthy at {url}:\n{self.output()[-4000:]}")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGINT, then SIGKILL after `timeout` seconds."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(15)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        os.unlink(self.log.name)
+        if self.keep_log:
+            print(f"{self.name} log: {self.log.name}")
+        else:
+            os.unlink(self.log.name)
 
 
 def kv_cache_bytes(model: Path, num_tokens: int, dtype: str, block_size: int = 16) -> int:
@@ -360,14 +388,3 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), sep, *(line(r) for r in text)])
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]; 0.0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)

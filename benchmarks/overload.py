@@ -62,11 +62,11 @@ from benchmarks.common import (
     free_port,
     machine,
     model_dir,
-    percentile,
     write_json,
 )
 from pagedserve.cli.bench.client import post, sse_payloads
 from pagedserve.heap import freeze_heap
+from pagedserve.latency import percentile
 
 STALL_TIMEOUT_S = 5.0
 # --max-queue-delay by preset (seconds): what kept admitted TTFT p99 within 2x on two cores.

@@ -5,8 +5,6 @@ gateway as real processes, started once per test session and shared by the modul
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +14,7 @@ import httpx
 import pytest
 
 from tests.procs import ServerProcess, free_port
+from tests.redis_proc import RedisServer
 from tests.stack import Stack, start_stack
 
 API_KEY = "test-key"
@@ -55,41 +54,6 @@ def gateway_process(control_plane: str, *args: str) -> HttpProcess:
         gw.stop()
         raise
     return gw
-
-
-class RedisServer:
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary is not None
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],  # fmt: skip
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("redis-server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 class Processes:

@@ -1,27 +1,20 @@
-"""Real OS processes for tests: `pagedserve` subcommands on free ports, with health waits."""
+"""Real OS processes for tests: `pagedserve` subcommands on free ports, with health waits.
+
+`ServerProcess` is the benchmarks' process wrapper (`benchmarks.common.Process`) with the tests'
+defaults; `free_port` is `pagedserve.ports.free_port`, here for the tests that import it."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from pagedserve import grpc_security
+from benchmarks.common import Process
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
+from pagedserve.ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["ServerProcess", "drain", "free_port", "read_until"]
 
 
 def read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 180.0) -> list[str]:
@@ -47,11 +40,12 @@ def drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
     threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
 
 
-class ServerProcess:
-    """`env` is added to the process's environment (a None value takes the variable out);
-    `security` is what its health check needs
-    (TLS: the token is not needed for health); it is ready when the health service names
-    `ready_service` SERVING (a control plane's "liveness": up, with or without workers)."""
+class ServerProcess(Process):
+    """`pagedserve <args>` with one torch thread (`env` is added to the process's environment;
+    a None value takes the variable out); `security` is what its health check needs (TLS: the
+    token is not needed for health); it is ready when the health service at `ready_address`
+    names `ready_service` SERVING (a control plane's "liveness": up, with or without workers).
+    Its log is kept, and named at `stop`, with PAGEDSERVE_KEEP_TEST_LOGS set."""
 
     def __init__(
         self,
@@ -62,54 +56,19 @@ class ServerProcess:
         security: GrpcSecurity = INSECURE,
         ready_service: str = "",
     ) -> None:
-        self.name = name
+        super().__init__(
+            name,
+            args,
+            {"OMP_NUM_THREADS": "1", **(env or {})},
+            log_prefix="",
+            keep_log=bool(os.environ.get("PAGEDSERVE_KEEP_TEST_LOGS")),
+        )
         self.address = ready_address
         self.security = security
         self.ready_service = ready_service
-        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-        full = {
-            **os.environ,
-            "PAGEDSERVE_LOG_FORMAT": "json",
-            "OMP_NUM_THREADS": "1",
-            **(env or {}),
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.cli", *args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={k: v for k, v in full.items() if v is not None},
-        )
-
-    def output(self) -> str:
-        with open(self.log.name, errors="replace") as f:
-            return f.read()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        with grpc_security.channel(self.address, self.security) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited early:\n{self.output()[-4000:]}")
-                try:
-                    check = health_pb2.HealthCheckRequest(service=self.ready_service)
-                    r = stub.Check(check, timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.1)
-        raise TimeoutError(f"{self.name} not ready:\n{self.output()[-4000:]}")
+        self.wait_serving(self.address, timeout, self.security, self.ready_service)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if os.environ.get("PAGEDSERVE_KEEP_TEST_LOGS"):
-            print(f"{self.name} log: {self.log.name}")
-        else:
-            os.unlink(self.log.name)
+    def stop(self, timeout: float = 10.0) -> None:
+        super().stop(timeout)

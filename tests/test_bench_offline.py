@@ -12,7 +12,8 @@ import pytest
 
 from benchmarks import kv_utilization, offline_throughput, step_overhead
 from benchmarks.baselines import SystemRun
-from benchmarks.common import format_table, percentile, random_workload
+from benchmarks.common import format_table, random_workload
+from pagedserve.latency import percentile
 
 
 @pytest.fixture(scope="module")

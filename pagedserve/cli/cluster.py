@@ -42,6 +42,7 @@ from pagedserve import grpc_security
 from pagedserve.cli import devices
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
 from pagedserve.log import resolve_format
+from pagedserve.ports import free_port
 
 READY_TIMEOUT_S = 300.0
 # A child that exits is started again after these waits, one per exit in a row; one that ran
@@ -184,12 +185,6 @@ def wait_until(
 
 def wait_serving(address: str, child: Child, timeout: float = READY_TIMEOUT_S) -> None:
     wait_until(lambda: grpc_serving(address), child, address, timeout)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # -- the cluster --------------------------------------------------------------------------------
