@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_worker import cpu_isa
+from pagedserve import envs
 from pagedserve.log import get_logger
 
 log = get_logger(__name__)
@@ -36,8 +37,7 @@ _typed: set[int] = set()  # ids of the libraries load_entry_points has typed
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "pagedserve") / "kernels"
+    return envs.get().cache_root / "kernels"
 
 
 def compiler() -> str | None:
@@ -108,14 +108,10 @@ def load(source: Path) -> ctypes.CDLL | None:
         return lib
 
 
-def load_entry_points(
-    source: Path, switch: str, argtypes: dict[str, list[Any]]
-) -> ctypes.CDLL | None:
+def load_entry_points(source: Path, argtypes: dict[str, list[Any]]) -> ctypes.CDLL | None:
     """`source`'s library with the entry points named in `argtypes` typed (those arguments, an
-    int status returned); None where the environment variable `switch` is "0" or the library
-    cannot build here. Called on every kernel call: once loaded and typed, a dict lookup."""
-    if os.environ.get(switch, "1") == "0":
-        return None
+    int status returned); None where the library cannot build here. Called on every kernel
+    call: once loaded and typed, a dict lookup."""
     lib = _loaded.get(source) or load(source)
     if lib is not None and id(lib) not in _typed:
         for name, types in argtypes.items():

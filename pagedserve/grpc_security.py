@@ -24,6 +24,8 @@ from typing import Any
 
 import grpc
 
+from pagedserve import envs
+
 # Calls under these prefixes need no token: health says SERVING or not, nothing more.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 TOKEN_FLAG = "--grpc-token / PAGEDSERVE_GRPC_TOKEN"
@@ -324,8 +326,7 @@ def token_path(address: str) -> Path:
     """Where `pagedserve up` leaves the token of the control plane at address: under
     $PAGEDSERVE_CACHE_DIR (default ~/.cache/pagedserve), so only a client with the same setting
     finds it."""
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
-    return Path(root) / "grpc-tokens" / address.replace("/", "_")
+    return envs.get().cache_root / "grpc-tokens" / address.replace("/", "_")
 
 
 def save_token(address: str, token: str) -> Path:
@@ -344,7 +345,7 @@ def save_token(address: str, token: str) -> Path:
 def saved_token_line(path: Path) -> str:
     """What `pagedserve up` says about the token file it left: a client looks for it only under
     the same PAGEDSERVE_CACHE_DIR."""
-    cache = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    cache = envs.get().cache_dir
     where = f" with PAGEDSERVE_CACHE_DIR={cache}" if cache else ""
     return f"gRPC token saved in {path}: `pagedserve generate` and `stats` find it there{where}"
 

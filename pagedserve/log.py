@@ -14,13 +14,15 @@ import sys
 
 import structlog
 
+from pagedserve import envs
+
 LOG_FORMATS = ("auto", "json", "console")
 
 
 def resolve_format(log_format: str | None, tty: bool) -> str:
     """json or console: `log_format` (None: PAGEDSERVE_LOG_FORMAT, else auto), where auto
     means console for a terminal."""
-    fmt = log_format or os.environ.get("PAGEDSERVE_LOG_FORMAT") or "auto"
+    fmt = log_format or envs.get().log_format or "auto"
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
     if fmt == "auto":
@@ -37,7 +39,7 @@ def use_colors(tty: bool) -> bool:
 def configure_logging(
     component: str, log_format: str | None = None, level: str | None = None
 ) -> None:
-    level_name = (level or os.environ.get("PAGEDSERVE_LOG_LEVEL", "info")).upper()
+    level_name = (level or envs.get().log_level).upper()
     tty = sys.stderr.isatty()
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()

@@ -23,6 +23,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
+from pagedserve import envs  # noqa: E402
 from tests.procs import ServerProcess, free_port  # noqa: E402
 
 # The modules that take longest, longest first (seconds summed over their tests on 2 cores).
@@ -64,6 +65,14 @@ MICRO: dict[str, Any] = {
     "intermediate_size": 128,
     "vocab_size": 512,
 }
+
+
+@pytest.fixture(autouse=True)
+def _fresh_switches() -> Iterator[None]:
+    """A test that changes a PAGEDSERVE_* switch in-process calls `envs.reload()`; after it
+    (and monkeypatch's undo) the switches are parsed again, so the next test sees its own."""
+    yield
+    envs.reload()
 
 
 @pytest.fixture(scope="session")

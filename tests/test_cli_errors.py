@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpu_worker.attention import cpu_prefill
-from pagedserve import ports
+from pagedserve import envs, ports
 from pagedserve.cli.cluster import try_curl
 from pagedserve.ports import PortError, PortRequest, choose_ports, up_ports
 from tests.gateway_stack import HttpProcess
@@ -333,6 +333,7 @@ def test_worker_startup_lines(
 
 def test_try_curl_never_prints_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    envs.reload()
     url = "http://127.0.0.1:8000"
     assert "Authorization" not in "".join(try_curl(url, None))
     given = try_curl(url, "s3cret")
@@ -340,6 +341,7 @@ def test_try_curl_never_prints_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     assert given[0].startswith("export PAGEDSERVE_API_KEY=")
     assert '-H "Authorization: Bearer $PAGEDSERVE_API_KEY"' in given[1]
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "s3cret")
+    envs.reload()
     (line,) = try_curl(url, "s3cret")
     assert line.startswith("try: curl ") and "$PAGEDSERVE_API_KEY" in line and "s3cret" not in line
 

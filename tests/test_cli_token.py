@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve import grpc_security
+from pagedserve import envs, grpc_security
 from pagedserve.grpc_security import GrpcSecurity, save_token, saved_token_line, token_path
 from protos.v1 import control_plane_pb2_grpc as pb_grpc
 from tests.procs import free_port
@@ -66,6 +66,7 @@ def test_the_saved_token_is_found_under_the_same_cache_dir(
     guarded_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    envs.reload()
     path = save_token(guarded_address, TOKEN)
     assert path == token_path(guarded_address) == tmp_path / "grpc-tokens" / guarded_address
     # What `up` prints beside its URL names the file and the setting a client needs.

@@ -18,6 +18,7 @@ from gpu_worker import cpu_isa, cpu_kernels
 from gpu_worker.attention import BatchLayout, cpu_decode
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.kv_cache import CacheGeometry, KVCache
+from pagedserve import envs
 from tests.kernel_refs import ref_paged_attention
 
 needs_kernel = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
@@ -30,6 +31,7 @@ needs_kernel = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compil
 def test_kernel_builds_where_there_is_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel tests skip without the kernel: a source that stopped compiling must fail."""
     monkeypatch.delenv("PAGEDSERVE_CPU_DECODE_KERNEL", raising=False)
+    envs.reload()
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     assert cpu_decode.load() is not None
 
@@ -42,6 +44,7 @@ def test_kernel_cache_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_p
     """A cache shared by machines (an image, an NFS home) never hands a `-march=native` build
     for one CPU to another: the CPU's feature flags are part of the library's name."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    envs.reload()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     assert cc is not None
     here = cpu_kernels.library_path(cc, cpu_decode.SOURCE)
@@ -53,6 +56,7 @@ def test_kernel_cache_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_p
     # What was built here is not what the older CPU would load.
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.delenv("PAGEDSERVE_CPU_DECODE_KERNEL", raising=False)
+    envs.reload()
     assert cpu_decode.load() is not None
     assert there.exists() and not here.exists()
 
@@ -225,6 +229,7 @@ def test_other_dtypes_keep_the_sdpa_path() -> None:
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv("PAGEDSERVE_CPU_DECODE_KERNEL", "0")
+    envs.reload()
     assert cpu_decode.load() is None
 
 
@@ -261,6 +266,7 @@ def test_prepacked_linears_match_plain(
 
     fast = logits()
     monkeypatch.setenv("PAGEDSERVE_ONEDNN_LINEAR", "0")
+    envs.reload()
     model.prepack()
     assert model.lm_head_packed is None and layer.qkv_packed is None
     plain = logits()
@@ -284,6 +290,7 @@ def test_widened_bf16_projections(
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
     monkeypatch.setenv("PAGEDSERVE_BF16_WIDEN", "1")
+    envs.reload()
     model = load_model(make_checkpoint("qwen2", num_hidden_layers=2), dtype=torch.bfloat16)
     layer = model.layers[0]
     assert isinstance(layer, DecoderLayer)
@@ -326,6 +333,7 @@ def test_native_bf16_rows_padded_to_amx_tiles_only(
     if llama.pack_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16:
         pytest.skip("this CPU has no native bf16 products")
     monkeypatch.delenv("PAGEDSERVE_BF16_ROW_ALIGN", raising=False)
+    envs.reload()
     monkeypatch.setattr(cpu_isa, "bf16_isa", lambda features=None: isa)
     llama.bf16_row_align.cache_clear()
     try:
@@ -342,6 +350,7 @@ def test_native_bf16_rows_padded_to_amx_tiles_only(
         out = llama._linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
         assert out.shape == (21, layer.qkv_weight.shape[0])
         monkeypatch.setenv("PAGEDSERVE_BF16_ROW_ALIGN", "16" if align == 1 else "1")
+        envs.reload()
         llama.bf16_row_align.cache_clear()
         other = llama._linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
         torch.testing.assert_close(out, other, rtol=2**-7, atol=1e-2)

@@ -10,6 +10,7 @@ import torch
 from gpu_worker import cpu_kernels
 from gpu_worker.attention import cpu_prefill
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from pagedserve import envs
 from tests.test_cpu_fast_paths import Step, assert_paths_agree, backend_outputs
 
 needs_kernel = pytest.mark.skipif(cpu_prefill.load() is None, reason="no C compiler here")
@@ -225,13 +226,16 @@ def test_float64_keeps_sdpa() -> None:
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_KERNEL", "0")
+    envs.reload()
     assert cpu_prefill.load() is None
     assert not cpu_prefill.preferred("avx2 avx512f fma")
 
 
 def test_preferred_where_the_cpu_has_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PAGEDSERVE_CPU_PREFILL_KERNEL", raising=False)
+    envs.reload()
     assert cpu_prefill.preferred("avx2 avx512bw avx512f fma")
     assert not cpu_prefill.preferred("avx avx2 fma")  # SDPA is faster there
     monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_KERNEL", "1")
+    envs.reload()
     assert cpu_prefill.preferred("avx avx2 fma")

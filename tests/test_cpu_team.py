@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve import envs
 from tests.conftest import MICRO
 from tests.oracle import hf_greedy
 from tests.procs import ServerProcess
@@ -214,6 +215,7 @@ def test_where_a_bf16_workers_team_takes_its_products(
         monkeypatch.delenv(cpu_team.TILES_SWITCH, raising=False)
     else:
         monkeypatch.setenv(cpu_team.TILES_SWITCH, switch)
+    envs.reload()
     assert cpu_team.tiles_wanted() == wanted
     assert cpu_team.tiles_asked() == asked
 

@@ -17,12 +17,13 @@ import yaml
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from pagedserve import envs
 from pagedserve.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-# Variables read outside argparse (logging, the model cache).
-NON_FLAG_ENV = {"PAGEDSERVE_LOG_FORMAT", "PAGEDSERVE_LOG_LEVEL", "PAGEDSERVE_CACHE_DIR"}
+# Variables read outside argparse: the environment switches.
+NON_FLAG_ENV = {entry.name for entry in envs.registry()}
 GATEWAY_ROUTES = set(create_app(GatewayConfig()).openapi()["paths"])
 
 

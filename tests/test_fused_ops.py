@@ -11,6 +11,7 @@ import torch
 from gpu_worker.models import fused_ops
 from gpu_worker.models.fused_ops import FusedCpuOps, TorchOps
 from gpu_worker.models.rope import apply_rotary, cos_sin_table, inv_frequencies
+from pagedserve import envs
 
 lib = fused_ops.load()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler here")
@@ -116,6 +117,7 @@ def test_chosen_for_bf16_and_float32_on_cpu_only(monkeypatch: pytest.MonkeyPatch
     assert fused_ops.ops_for(torch.float32, cpu).name == "fused-f32"
     assert type(fused_ops.ops_for(torch.float64, cpu)) is TorchOps  # the oracle's dtype
     monkeypatch.setenv("PAGEDSERVE_CPU_FUSED_OPS", "0")
+    envs.reload()
     assert type(fused_ops.ops_for(BF16, cpu)) is TorchOps
 
 

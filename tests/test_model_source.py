@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve import envs
 from pagedserve.cli import model_source
 from pagedserve.cli.model_source import (
     DEFAULT_MODEL_NAME,
@@ -61,6 +62,7 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path: Path) -> None:
 
 def test_presets_are_built_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    envs.reload()
     from gpu_worker import model_init
 
     real = model_init.write_random_checkpoint
@@ -88,6 +90,7 @@ def test_the_default_model_is_smollm2_from_the_wheel(
 ) -> None:
     assert smollm2_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    envs.reload()
     path = resolve_model(None)
     assert path.name == DEFAULT_MODEL_NAME  # the served name
     assert path.parent.parent == tmp_path / "models"
@@ -188,6 +191,7 @@ def test_the_first_start_says_it_converts_the_default_model(
     import pagedserve.gguf
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    envs.reload()
     monkeypatch.setattr(pagedserve.gguf, "convert_gguf", lambda source, out: out.mkdir())
     path = resolve_model(None)
     err = capsys.readouterr().err

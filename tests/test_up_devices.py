@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pagedserve import envs
 from pagedserve.cli import cluster
 from pagedserve.cli.devices import DeviceError, worker_environments
 from pagedserve.cli.main import build_parser
@@ -38,6 +39,7 @@ def started_workers(
 ) -> dict[str, tuple[list[str], str | None]]:
     """name -> (argv, CUDA_VISIBLE_DEVICES) of each worker `up FLAGS` starts."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))  # where up saves its token
+    envs.reload()
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:

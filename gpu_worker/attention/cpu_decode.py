@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker import cpu_kernels, cpu_team
+from pagedserve import envs
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
 TILE = 16  # head sizes must be a multiple of it (TILE in the C source)
@@ -39,7 +40,9 @@ def supports(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None where it is off or cannot build."""
-    return cpu_kernels.load_entry_points(SOURCE, "PAGEDSERVE_CPU_DECODE_KERNEL", ARGTYPES)
+    if not envs.get().cpu_decode_kernel:
+        return None
+    return cpu_kernels.load_entry_points(SOURCE, ARGTYPES)
 
 
 def paged_decode(

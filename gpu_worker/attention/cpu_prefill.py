@@ -25,7 +25,6 @@ be built here.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 
 from gpu_worker import cpu_isa, cpu_kernels, cpu_team
 from gpu_worker.attention import cpu_decode
+from pagedserve import envs
 
 SOURCE = Path(__file__).with_name("csrc") / "prefill_attention_cpu.c"
 ENTRY_POINTS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
@@ -60,22 +60,20 @@ ARGTYPES = {
 supports = cpu_decode.supports
 
 
-SWITCH = "PAGEDSERVE_CPU_PREFILL_KERNEL"
-
-
 def preferred(features: str | None = None) -> bool:
     """Whether fresh prompts go through the kernel rather than SDPA on this CPU (or one with
     `features`): `PAGEDSERVE_CPU_PREFILL_KERNEL` 1 or 0 where set, else whether it has
     AVX-512."""
-    switch = os.environ.get(SWITCH)
-    if switch in ("0", "1"):
-        return switch == "1"
+    if (switch := envs.get().cpu_prefill_kernel) is not None:
+        return switch
     return "avx512f" in (cpu_isa.cpu_features() if features is None else features).split()
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None where it is off or cannot build."""
-    return cpu_kernels.load_entry_points(SOURCE, SWITCH, ARGTYPES)
+    if envs.get().cpu_prefill_kernel is False:
+        return None
+    return cpu_kernels.load_entry_points(SOURCE, ARGTYPES)
 
 
 def _token_rows(t: torch.Tensor) -> int:

@@ -20,7 +20,6 @@ reads. `PAGEDSERVE_CPU_FUSED_OPS=0` keeps torch's ops.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 from gpu_worker import cpu_kernels
 from gpu_worker.models.rope import apply_rotary
+from pagedserve import envs
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_ops_cpu.c"
 
@@ -197,11 +197,7 @@ def load() -> ctypes.CDLL | None:
 def ops_for(dtype: torch.dtype, device: torch.device) -> TorchOps:
     """The fused ops for bf16 and float32 on a CPU where they build (and are not turned off),
     else torch's (float64 keeps torch's: it is the exactness oracle's dtype)."""
-    if (
-        dtype in FusedCpuOps.SUFFIXES
-        and device.type == "cpu"
-        and os.environ.get("PAGEDSERVE_CPU_FUSED_OPS", "1") != "0"
-    ):
+    if dtype in FusedCpuOps.SUFFIXES and device.type == "cpu" and envs.get().cpu_fused_ops:
         lib = load()
         if lib is not None:
             return FusedCpuOps(lib, dtype)

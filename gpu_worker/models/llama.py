@@ -38,7 +38,6 @@ CPU (to compare it with the native one).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -51,6 +50,7 @@ from gpu_worker.models.base import AttentionFn, TensorParallel
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.fused_ops import TorchOps, ops_for
 from gpu_worker.models.rope import cos_sin_table, inv_frequencies
+from pagedserve import envs
 
 TensorSource = Callable[[str], torch.Tensor]
 """Returns the checkpoint tensor with the given HF name."""
@@ -80,11 +80,11 @@ def pack_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     for bfloat16 elsewhere (widened); None where projections run `F.linear`."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
-    if os.environ.get("PAGEDSERVE_ONEDNN_LINEAR", "1") == "0":
+    if not envs.get().onednn_linear:
         return None
     if dtype == torch.bfloat16:
         native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        widen = os.environ.get("PAGEDSERVE_BF16_WIDEN", "0") == "1"
+        widen = envs.get().bf16_widen
         return torch.bfloat16 if native and not widen else torch.float32
     return torch.float32 if dtype == torch.float32 else None
 
@@ -93,8 +93,8 @@ def pack_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
 def bf16_row_align() -> int:
     """The multiple that prepacked bf16 products' row counts are padded to: AMX_ROW_ALIGN
     where the CPU has AMX, else 1 (PAGEDSERVE_BF16_ROW_ALIGN overrides)."""
-    if forced := os.environ.get("PAGEDSERVE_BF16_ROW_ALIGN"):
-        return max(1, int(forced))
+    if forced := envs.get().bf16_row_align:
+        return forced
     return AMX_ROW_ALIGN if cpu_isa.bf16_isa() == "amx_bf16" else 1
 
 

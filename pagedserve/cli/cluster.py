@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve import grpc_security
+from pagedserve import envs, grpc_security
 from pagedserve.cli import devices
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
 from pagedserve.log import resolve_format
@@ -305,7 +305,7 @@ def try_curl(url: str, api_key: str | None) -> list[str]:
     if api_key:
         curl += ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"'
     lines = [f"""{curl} -d '{{"messages": [{message}], "temperature": 0}}'"""]
-    if api_key and os.environ.get("PAGEDSERVE_API_KEY") != api_key:
+    if api_key and envs.get().api_key != api_key:
         lines.insert(0, "export PAGEDSERVE_API_KEY=<the key given by --api-key>, then")
     return lines
 

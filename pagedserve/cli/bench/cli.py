@@ -7,11 +7,11 @@ import asyncio
 import datetime
 import json
 import math
-import os
 import platform
 from pathlib import Path
 from typing import Any
 
+from pagedserve import envs
 from pagedserve.cli.bench.workload import (
     BenchRequest,
     LengthRange,
@@ -50,7 +50,7 @@ def register_bench(sub: Any) -> None:
     s.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     s.add_argument(
         "--api-key",
-        default=os.environ.get("PAGEDSERVE_API_KEY"),
+        default=envs.get().api_key,
         help="sent as Authorization: Bearer KEY [env PAGEDSERVE_API_KEY]",
     )
     s.add_argument("--num-prompts", type=int, default=64)
