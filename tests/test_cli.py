@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cli.main import build_parser, parse_bytes
+from pagedserve.cli.flags import parse_bytes
+from pagedserve.cli.main import build_parser
 from tests.procs import drain, free_port, read_until
 
 
