@@ -7,8 +7,9 @@ stdin, `{"kind": ..., "spec": ...}`, compiles it without the vocabulary
 `{"error": null | "why"}`. The control plane keeps `processes` children, one constraint in
 each at a time:
 
-* a child that exits while it holds a constraint refuses that constraint (cached: sent again,
-  it is refused at once) and is started again for the next;
+* a child killed by a signal while it holds a constraint (a native crash) refuses that
+  constraint (cached: sent again, it is refused at once) and is started again for the next;
+  one that ends by itself (it cannot start) is no verdict: GrammarCheckUnavailable;
 * a constraint still compiling after the timeout is refused as too slow (not cached: a busy
   moment is no verdict) and its child is killed, which also ends the compilation's CPU use.
 
@@ -37,6 +38,10 @@ class GrammarTimeout(Exception):
     """The constraint did not compile within the timeout."""
 
 
+class GrammarCheckUnavailable(RuntimeError):
+    """No check process could be started to take the constraint (it is no verdict on it)."""
+
+
 class _Child:
     def __init__(self, argv: Sequence[str]) -> None:
         self.argv = argv
@@ -45,7 +50,9 @@ class _Child:
     async def ask(self, line: bytes, timeout_s: float) -> bytes:
         """The child's reply line; b"" where the child exited while it held the line. A child
         found gone before the line reached it (it ended with an earlier constraint) is started
-        again for this one."""
+        again for this one; GrammarCheckUnavailable where that one is gone at once too. A
+        caller cancelled meanwhile kills the child: its late reply must not answer the next
+        constraint."""
         for _ in range(2):
             proc = self.proc
             if proc is None or proc.returncode is not None:
@@ -64,12 +71,18 @@ class _Child:
             except (BrokenPipeError, ConnectionResetError, RuntimeError):  # closed transport
                 self.kill()
                 continue
+            except BaseException:
+                self.kill()
+                raise
             try:
                 return await asyncio.wait_for(proc.stdout.readline(), timeout_s)
             except TimeoutError:
                 self.kill()
                 raise GrammarTimeout from None
-        return b""
+            except BaseException:
+                self.kill()
+                raise
+        raise GrammarCheckUnavailable("the grammar check process ends as it starts")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -108,6 +121,10 @@ class GrammarChecker:
             if not reply:
                 code = await child.exit_code()
                 child.kill()
+                if code is None or code >= 0:  # it ended by itself: no verdict on the constraint
+                    raise GrammarCheckUnavailable(
+                        f"the grammar check process ended with code {code}"
+                    )
                 log.error("grammar_check_crashed", kind=constraint.kind, exit_code=code)
                 return InvalidRequestError(
                     f"{constraint.kind} could not be compiled: the grammar library failed on it "
@@ -137,6 +154,8 @@ def main() -> None:
             error = None
         except InvalidRequestError as exc:
             error = str(exc)
+        except Exception as exc:  # the library's own error: a refusal, not this process's end
+            error = f"{request['kind']} does not compile: {type(exc).__name__}: {exc}"
         sys.stdout.write(json.dumps({"error": error}) + "\n")
         sys.stdout.flush()
 

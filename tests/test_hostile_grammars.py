@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.grammar_check import GrammarChecker
+from control_plane.grammar_check import GrammarChecker, GrammarCheckUnavailable
 from pagedserve import grammar, grammar_bounds
 from pagedserve.sampling_params import InvalidRequestError, StructuredOutput
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -124,6 +124,44 @@ def test_a_check_that_kills_its_process_costs_that_request_only() -> None:
     before, crashed, after = asyncio.run(run())
     assert before is None and after is None
     assert crashed is not None and "exited with code -11" in str(crashed)
+
+
+def test_a_cancelled_check_never_answers_the_next_one() -> None:
+    """A client gone while its constraint is being checked: the next constraint that child
+    takes gets its own answer, not the late one (the child is replaced)."""
+    slow_then_refuses = [
+        sys.executable,
+        "-c",
+        "import json, sys, time\n"
+        "for line in sys.stdin:\n"
+        "    slow = 'slow' in json.loads(line)['spec']\n"
+        "    time.sleep(2 if slow else 0)\n"
+        "    print(json.dumps({'error': 'late' if slow else None}), flush=True)\n",
+    ]
+
+    async def run() -> InvalidRequestError | None:
+        checker = GrammarChecker(1, 60.0, slow_then_refuses)
+        try:
+            task = asyncio.ensure_future(checker.check(StructuredOutput("regex", "slow")))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            return await checker.check(StructuredOutput("regex", "fast"))
+        finally:
+            await checker.close()
+
+    assert asyncio.run(run()) is None
+
+
+def test_a_check_process_that_cannot_start_is_no_verdict() -> None:
+    async def run() -> None:
+        checker = GrammarChecker(1, 60.0, [sys.executable, "-c", "raise SystemExit(3)"])
+        try:
+            with pytest.raises(GrammarCheckUnavailable):
+                await checker.check(StructuredOutput("regex", "a+"))
+        finally:
+            await checker.close()
+
+    asyncio.run(run())
 
 
 def test_the_real_checker_answers_and_refuses() -> None:
