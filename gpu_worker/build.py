@@ -24,6 +24,7 @@ from gpu_worker.config import (
     WorkerConfig,
     default_kv_cache_memory,
 )
+from gpu_worker.cpu_team import CpuTeam
 from gpu_worker.kv_cache import CacheGeometry, KVCache
 from gpu_worker.model_runner import ModelRunner, PlanError
 from gpu_worker.models.llama import CausalLM, pack_dtype
@@ -50,6 +51,7 @@ class Worker:
     info: worker_pb2.WorkerInfo
     followers: Followers | None = None  # tensor parallelism: ranks 1..N-1 (on rank 0)
     team: TeamSizer | None = None  # the adaptive team size (gpu_worker.team), where enabled
+    cpu_team: CpuTeam | None = None  # the projections' stall-free team, where it runs
 
     def reset(self) -> None:
         if self.followers is not None:
@@ -96,12 +98,14 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
     # A bf16 model whose products are widened to float32 (a CPU without bf16 products).
     products = pack_dtype(dtype, torch.device(cfg.device))
     widened = dtype == torch.bfloat16 and products == torch.float32
+    running: CpuTeam | None = None
     if tp is None and cpu_team.wanted(cfg.device, dtype, team, affinity.is_bound(), widened):
         # The projections' team: the model's thread and helpers that never stall it; torch's
         # own ops keep to the model's thread (docs/architecture.md, "The CPU team").
-        helpers = cpu_team.start(affinity.other_cores(team - 1))
-        if helpers:
+        running = cpu_team.start(affinity.other_cores(team - 1))
+        if running is not None:
             torch.set_num_threads(1)
+        helpers = 0 if running is None else running.width - 1
         log.info("cpu_team", helpers=helpers, threads=team, tiles=cpu_team.tiles())
     elif dtype == torch.bfloat16 and (asked := cpu_team.tiles_asked()):
         # No team (threads not bound, more than MAX_THREADS, tensor parallel) or no tiles
@@ -194,15 +198,19 @@ def build_worker(cfg: WorkerConfig, rank: int = 0, tp_port: int | None = None) -
             raise PlanError(f"structured output is unavailable on this worker: {exc}") from exc
 
     return Worker(
-        cfg, ModelRunner(model, cache, backend, grammar_compiler), info, team=_team_sizer(cfg)
+        cfg,
+        ModelRunner(model, cache, backend, grammar_compiler),
+        info,
+        team=_team_sizer(cfg, running),
+        cpu_team=running,
     )
 
 
-def _team_sizer(cfg: WorkerConfig) -> TeamSizer | None:
+def _team_sizer(cfg: WorkerConfig, running: CpuTeam | None) -> TeamSizer | None:
     """The adaptive team size where the worker's threads are bound one to a core (one rank on
     the CPU, its thread count left to the default) and there are two or more of them."""
     whole = torch.get_num_threads()
-    if cpu_team.active():  # its helpers never hold a step up: nothing to size
+    if running is not None:  # its helpers never hold a step up: nothing to size
         return None
     if not cfg.adaptive_threads or cfg.device != "cpu" or cfg.tensor_parallel_size != 1:
         return None

@@ -57,7 +57,8 @@ PRODUCTS = """
 import json, os, torch
 from gpu_worker import cpu_team
 os.sched_setaffinity(0, {CALLER})
-assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
+team = cpu_team.start(HELPERS, stall_us=STALL)
+assert team is not None and team.width == len(HELPERS) + 1
 gen = torch.Generator().manual_seed(0)
 worst, shapes = 0.0, 0
 for m in (1, 5, 6, 7, 47, 48, 49, 64, 130):
@@ -67,25 +68,25 @@ for m in (1, 5, 6, 7, 47, 48, 49, 64, 130):
                 w = torch.randn(n, k, generator=gen)
                 x = torch.randn(m, k, generator=gen)
                 b = torch.randn(n, generator=gen) if with_bias else None
-                got = cpu_team.linear(x, cpu_team.pack(w), n, b)
+                got = team.linear(x, team.pack(w), n, b)
                 want = x.double() @ w.double().T + (0 if b is None else b.double())
                 scale = x.abs().double() @ w.abs().double().T + 1
                 worst = max(worst, float(((got.double() - want).abs() / scale).max()))
                 shapes += 1
 # no rows; more panels than one job holds items (the caller alone)
-assert cpu_team.linear(torch.empty(0, 8), cpu_team.pack(torch.randn(5, 8)), 5, None).shape == (0, 5)
+assert team.linear(torch.empty(0, 8), team.pack(torch.randn(5, 8)), 5, None).shape == (0, 5)
 w = torch.randn(600_000, 2, generator=gen)
 x = torch.randn(3, 2, generator=gen)
-wide = (cpu_team.linear(x, cpu_team.pack(w), 600_000, None).double() - x.double() @ w.double().T)
+wide = (team.linear(x, team.pack(w), 600_000, None).double() - x.double() @ w.double().T)
 worst = max(worst, float(wide.abs().max()))
 for _ in range(REPEATS):  # the same product again and again: the same answer every time
     x = torch.randn(64, 256, generator=gen)
     w = torch.randn(300, 256, generator=gen)
-    p = cpu_team.pack(w)
-    first = cpu_team.linear(x, p, 300, None)
+    p = team.pack(w)
+    first = team.linear(x, p, 300, None)
     for _ in range(20):
-        assert torch.equal(cpu_team.linear(x, p, 300, None), first)
-print(json.dumps({"worst": worst, "shapes": shapes, "taken_back": cpu_team.taken_back()}))
+        assert torch.equal(team.linear(x, p, 300, None), first)
+print(json.dumps({"worst": worst, "shapes": shapes, "taken_back": team.taken_back()}))
 """
 
 
@@ -113,11 +114,12 @@ TILES = """
 import json, os, torch
 from gpu_worker import cpu_team
 os.sched_setaffinity(0, {CALLER})
-assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
+team = cpu_team.start(HELPERS, stall_us=STALL)
+assert team is not None and team.width == len(HELPERS) + 1
 gen = torch.Generator().manual_seed(2)
 worst, differ, shapes = 0.0, 0, 0
 passes = 0
-while passes < 1 or (STALL and not cpu_team.taken_back() and passes < 20):
+while passes < 1 or (STALL and not team.taken_back() and passes < 20):
     for m in (1, 7, 16, 17, 32, 33, 64, 130):
         # 48: not whole tiles of k, the vdpbf16ps block's; 320: ten steps of k, the last
         # four fetching the next panel's
@@ -127,21 +129,21 @@ while passes < 1 or (STALL and not cpu_team.taken_back() and passes < 20):
                     w = torch.randn(n, k, generator=gen).bfloat16()
                     x = torch.randn(m, k, generator=gen).bfloat16()
                     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-                    p = cpu_team.pack(w, torch.bfloat16)
+                    p = team.pack(w, torch.bfloat16)
                     assert cpu_team.set_tiles("MODE") == "MODE"
-                    got = cpu_team.linear(x, p, n, b).double()
+                    got = team.linear(x, p, n, b).double()
                     assert cpu_team.set_tiles("off") == "off"
                     want = x.double() @ w.double().T + (0 if b is None else b.double())
                     scale = x.abs().double() @ w.abs().double().T + 1
                     worst = max(worst, float(((got - want).abs() / scale).max()))
                     # against the vdpbf16ps block: one rounding to bf16 of float32 sums
-                    other = cpu_team.linear(x, p, n, b).double()
+                    other = team.linear(x, p, n, b).double()
                     bound = other.abs() / 128 + scale * 2**-20
                     differ += int(((got - other).abs() > bound).sum())
                     shapes += 1
     passes += 1
 print(json.dumps({"worst": worst, "differ": differ, "shapes": shapes, "passes": passes,
-                  "faults": cpu_team.tile_faults(), "taken_back": cpu_team.taken_back()}))
+                  "faults": cpu_team.tile_faults(), "taken_back": team.taken_back()}))
 """
 
 
@@ -177,7 +179,8 @@ LIFETIME = """
 import json, os, torch
 from gpu_worker import cpu_team
 os.sched_setaffinity(0, {CALLER})
-assert cpu_team.start(HELPERS, stall_us=3000) == len(HELPERS)
+team = cpu_team.start(HELPERS, stall_us=3000)
+assert team is not None and team.width == len(HELPERS) + 1
 gen = torch.Generator().manual_seed(1)
 worst = 0.0
 for _ in range(20):
@@ -185,10 +188,10 @@ for _ in range(20):
     x = torch.randn(64, 256, generator=gen)
     b = torch.randn(1024, generator=gen)
     want = x.double() @ w.double().T + b.double()
-    got = cpu_team.linear(x, cpu_team.pack(w), 1024, b)  # the panels' last reference goes here
+    got = team.linear(x, team.pack(w), 1024, b)  # the panels' last reference goes here
     del x, b
     worst = max(worst, float((got.double() - want).abs().max()))
-print(json.dumps({"worst": worst, "taken_back": cpu_team.taken_back()}))
+print(json.dumps({"worst": worst, "taken_back": team.taken_back()}))
 """
 
 
@@ -236,7 +239,8 @@ from gpu_worker import cpu_team
 os.sched_setaffinity(0, CALLER)
 with cpu_team.torch_threads(1 << 40):
     before = torch.get_num_threads()  # no team yet: left alone
-assert cpu_team.start(HELPERS) == len(HELPERS)
+team = cpu_team.start(HELPERS)
+assert team is not None and team.width == len(HELPERS) + 1
 torch.set_num_threads(1)  # as the worker does once its team runs
 q = torch.randn(1, 4, 300, 32)
 want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -300,14 +304,15 @@ os.sched_setaffinity(0, {CALLER})
 dtypes = (torch.float32, torch.bfloat16)
 cases = [(_decode_case(*shape, dt), dt) for shape in SHAPES for dt in dtypes]
 alone = [_run_decode(c, dtype) for c, dtype in cases]  # OpenMP, one thread
-assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
+team = cpu_team.start(HELPERS, stall_us=STALL)
+assert team is not None and team.width == len(HELPERS) + 1
 same, passes = True, 0
 # two passes at least; with a stalling helper, until an item was taken back (a helper woken
 # late on a busy machine may find every item of a pass claimed already)
-while passes < 2 or (STALL and not cpu_team.taken_back() and passes < 100):
+while passes < 2 or (STALL and not team.taken_back() and passes < 100):
     same &= all(torch.equal(_run_decode(c, dtype), want) for (c, dtype), want in zip(cases, alone))
     passes += 1
-print(json.dumps({"same": same, "taken_back": cpu_team.taken_back()}))
+print(json.dumps({"same": same, "taken_back": team.taken_back()}))
 """
 
 
@@ -356,12 +361,13 @@ cases = [case(*shape, dt, LENS) for shape in SHAPES for dt in dtypes]
 cases += [case(12, 4, 64, dt, [300, 7]) for dt in dtypes]
 cases += [after_context(dt, ctx) for ctx in (6000, 40) for dt in dtypes]
 alone = [run(c) for c in cases]  # OpenMP, one thread
-assert cpu_team.start(HELPERS, stall_us=STALL) == len(HELPERS)
+team = cpu_team.start(HELPERS, stall_us=STALL)
+assert team is not None and team.width == len(HELPERS) + 1
 same, passes = True, 0
-while passes < 2 or (STALL and not cpu_team.taken_back() and passes < 100):  # as DECODE's
+while passes < 2 or (STALL and not team.taken_back() and passes < 100):  # as DECODE's
     same &= all(torch.equal(run(c), want) for c, want in zip(cases, alone))
     passes += 1
-print(json.dumps({"same": same, "taken_back": cpu_team.taken_back()}))
+print(json.dumps({"same": same, "taken_back": team.taken_back()}))
 """
 
 

@@ -67,7 +67,8 @@ def paged_decode(
     lib = load()
     assert lib is not None, "the CPU decode kernel is not available"
     fn = getattr(lib, ENTRY_POINTS[k_cache.dtype])
-    gen = cpu_team.generation_for(lib, "paged_decode_set_team")  # None: OpenMP
+    team = cpu_team.current()  # None: OpenMP
+    gen = None if team is None else team.generation_for(lib, "paged_decode_set_team")
     num_seqs = rows.shape[0]
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -100,8 +101,8 @@ def paged_decode(
         torch.get_num_threads(),
         None if gen is None else ctypes.byref(gen),
     )
-    if gen is not None:
-        cpu_team.hold(gen.value, q, rows, k_cache, v_cache, block_tables, seq_lens)
+    if team is not None and gen is not None:
+        team.hold(gen.value, q, rows, k_cache, v_cache, block_tables, seq_lens)
     if failed == 1:
         raise MemoryError("the CPU decode kernel could not allocate its scratch space")
     if failed:

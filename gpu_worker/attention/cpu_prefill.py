@@ -115,7 +115,8 @@ def prefill_attention(
     lib = load()
     assert lib is not None, "the CPU prefill kernel is not available"
     fn = getattr(lib, ENTRY_POINTS[q.dtype])
-    gen = cpu_team.generation_for(lib, "prefill_attention_set_team")  # None: OpenMP
+    team = cpu_team.current()  # None: OpenMP
+    gen = None if team is None else team.generation_for(lib, "prefill_attention_set_team")
     _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert supports(head_dim, q.dtype) and num_heads % num_kv_heads == 0
@@ -167,8 +168,8 @@ def prefill_attention(
         None if pc is None else ctypes.byref(pc),
         None if gen is None else ctypes.byref(gen),
     )
-    if gen is not None:
-        cpu_team.hold(gen.value, q, starts, lens, None if context is None else context.ctx)
+    if team is not None and gen is not None:
+        team.hold(gen.value, q, starts, lens, None if context is None else context.ctx)
     if failed == 1:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch space")
     if failed:

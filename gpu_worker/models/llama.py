@@ -105,8 +105,8 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
 def _pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """oneDNN's copy of `weight` in `dtype`; where the worker runs the CPU team, `cpu_team`'s
     panels instead (3-D, which `_linear` tells apart)."""
-    if weight.device.type == "cpu" and cpu_team.active():
-        return cpu_team.pack(weight, dtype)
+    if weight.device.type == "cpu" and (team := cpu_team.current()):
+        return team.pack(weight, dtype)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), PACK_BATCH_HINT)
 
 
@@ -118,10 +118,12 @@ def _linear(
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.dim() == 3:  # the CPU team's panels
+        team = cpu_team.current()
+        assert team is not None
         if x.dtype != packed.dtype:  # widened
             b = None if bias is None else bias.to(packed.dtype)
-            return cpu_team.linear(x.to(packed.dtype), packed, weight.shape[0], b).to(x.dtype)
-        return cpu_team.linear(x, packed, weight.shape[0], bias)
+            return team.linear(x.to(packed.dtype), packed, weight.shape[0], b).to(x.dtype)
+        return team.linear(x, packed, weight.shape[0], bias)
     if packed.dtype != x.dtype:  # widened: one rounding, of the output
         b = None if bias is None else bias.to(packed.dtype)
         out = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, b, "none", [], "")
