@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TextIO
@@ -20,14 +19,9 @@ from typing import TextIO
 import grpc
 
 from control_plane.admission import StepCost, queue_delay
-from control_plane.block_manager import (
-    AllBlocksCleared,
-    BlockEvent,
-    BlockManager,
-    BlockRemoved,
-    BlockStored,
-)
+from control_plane.block_manager import BlockManager
 from control_plane.detokenizer import IncrementalDetokenizer
+from control_plane.engine_core import CacheEvents, EngineCore, EngineCounters
 from control_plane.request import Request, RequestStatus
 from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConfig
 from control_plane.tokenizer import LoadedTokenizer
@@ -174,26 +168,6 @@ class RequestStream:
             self.queue.put_nowait(item)
 
 
-@dataclass
-class CacheEvents:
-    """Prefix-cache changes of one worker since the last drain, folded per block hash.
-
-    replace: the worker's whole cache is restated by `stored` (drop everything else first)."""
-
-    stored: list[bytes]
-    removed: list[bytes]
-    replace: bool = False
-
-
-@dataclass
-class EngineCounters:
-    num_steps: int = 0
-    num_requests_finished: int = 0
-    num_requests_aborted: int = 0
-    num_prompt_tokens_computed: int = 0  # prompt tokens whose K/V the worker computed
-    num_generated_tokens: int = 0
-
-
 class EngineLoop:
     def __init__(
         self,
@@ -209,16 +183,11 @@ class EngineLoop:
         self.info = info
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
-        self.scheduler = self._new_scheduler()
+        self.core = EngineCore(self._new_scheduler, async_scheduling)
         self.streams: dict[str, RequestStream] = {}
-        self.counters = EngineCounters()
         self.healthy = True
         self._wakeup = asyncio.Event()
-        self._step_id = 0
-        self.async_scheduling = async_scheduling
-        self._in_flight: deque[StepPlan] = deque()  # sent to the worker, results not yet read
         self._task: asyncio.Task[None] | None = None
-        self._cache_events: list[BlockEvent] = []
         self.on_step: Callable[[], None] = lambda: None
         # Moves this loop's requests to other workers; returns False when there are none.
         self.hand_off: Callable[[EngineLoop], bool] = lambda loop: False
@@ -246,6 +215,22 @@ class EngineLoop:
             enable_prefix_caching=self.enable_prefix_caching,
         )
         return Scheduler(self.scheduler_config, bm)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def counters(self) -> EngineCounters:
+        return self.core.counters
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    @property
+    def epoch(self) -> int:
+        return self.info.epoch
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -313,24 +298,10 @@ class EngineLoop:
     # -- prefix-cache events, for the cluster's prefix index ------------------------------------
 
     def drain_cache_events(self) -> CacheEvents:
-        """Folds the block manager's events in order: the last word on each hash wins."""
-        events, self._cache_events = self._cache_events, []
-        state: dict[bytes, bool] = {}
-        replace = False
-        for ev in events:
-            if isinstance(ev, AllBlocksCleared):
-                state.clear()
-                replace = True
-            elif isinstance(ev, BlockStored):
-                state[ev.block_hash] = True
-            elif isinstance(ev, BlockRemoved):
-                state[ev.block_hash] = False
-        stored = [h for h, present in state.items() if present]
-        removed = [h for h, present in state.items() if not present]
-        return CacheEvents(stored, [] if replace else removed, replace)
+        return self.core.drain_cache_events()
 
     def cached_block_hashes(self) -> list[bytes]:
-        return self.scheduler.block_manager.cached_prefix_hashes()
+        return self.core.cached_block_hashes()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -371,7 +342,7 @@ class EngineLoop:
             now = time.monotonic()
             waited = now - self._waiting_since
             deadline = max(self.failover_after_s, STEP_DEADLINE_FACTOR * self._expected_step_s())
-            if self._in_flight and not self._recovering and waited >= deadline:
+            if self.core.in_flight and not self._recovering and waited >= deadline:
                 self._lose(f"no step result for {waited:.1f} s", hand_off_now=True)
                 continue
             if probe is Probe.ANSWERED:
@@ -396,11 +367,11 @@ class EngineLoop:
     def _expected_step_s(self) -> float:
         if self._step_s == 0.0:
             return UNMEASURED_STEP_S
-        tokens = sum(p.total_num_scheduled_tokens for p in self._in_flight)
+        tokens = sum(p.total_num_scheduled_tokens for p in self.core.in_flight)
         return max(self._step_s, tokens * self._token_s)
 
     def _drop_in_flight(self) -> None:
-        self._in_flight.clear()
+        self.core.drop_in_flight()
         self._sent_at.clear()
 
     def queue_delay_s(self, prompt_tokens: int, seats: int) -> float:
@@ -408,14 +379,14 @@ class EngineLoop:
         token because of the others (`control_plane.admission.queue_delay`)."""
         now = time.perf_counter()
         elapsed = 0.0
-        if self._in_flight:
-            sent = self._sent_at.get(self._in_flight[0].step_id, now)
+        if self.core.in_flight:
+            sent = self._sent_at.get(self.core.in_flight[0].step_id, now)
             elapsed = now - max(sent, self._last_result_at)
         return queue_delay(
             self.step_cost,
             self.scheduler.config,
             self.scheduler.backlog(),
-            (p.total_num_scheduled_tokens for p in self._in_flight),
+            (p.total_num_scheduled_tokens for p in self.core.in_flight),
             elapsed,
             prompt_tokens,
             seats,
@@ -436,7 +407,7 @@ class EngineLoop:
         while True:
             if (
                 self._lost is None
-                and not self._in_flight
+                and not self.core.in_flight
                 and not self.scheduler.has_unfinished_requests()
                 and not self.scheduler.has_pending_finished()
             ):
@@ -501,14 +472,12 @@ class EngineLoop:
         and publishes step n while the worker computes n+1 (see `Scheduler`). Without it, each
         plan is made after the previous result.
         """
-        if not self._in_flight:
-            if not await self._schedule_and_send():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                return
-        if self.async_scheduling and len(self._in_flight) == 1:
-            await self._schedule_and_send()
-        plan = self._in_flight[0]
+        await self._send_plans()
+        if not self.core.in_flight:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+            return
+        plan = self.core.oldest
         result = await self.client.receive(plan)
         self._last_answer = self._waiting_since = time.monotonic()
         now = time.perf_counter()
@@ -521,8 +490,6 @@ class EngineLoop:
         self._step_s = max(result.total_time_s, 0.9 * self._step_s)
         per_token = result.total_time_s / max(1, plan.total_num_scheduled_tokens)
         self._token_s = max(per_token, 0.9 * self._token_s)
-        self._in_flight.popleft()
-        self.counters.num_steps += 1
         if self._trace is not None:
             self._write_trace(plan, result, sent, now, seconds)
         if result.prompt_logprobs:
@@ -532,9 +499,7 @@ class EngineLoop:
         for req_id, why in result.refused.items():
             log.error("request_refused_by_worker", request_id=req_id, reason=why)
             self._fail_request(req_id, WorkerRefusal(f"the worker could not run it: {why}"))
-        deltas = self.scheduler.update(plan, result)
-        self._cache_events += self.scheduler.block_manager.drain_events()
-        self._publish(deltas)
+        self._publish(self.core.apply(result))
         self.on_step()
 
     def trace_steps(self, path: str) -> None:
@@ -563,28 +528,15 @@ class EngineLoop:
             }
             self._trace.write(json.dumps(line) + "\n")
 
-    async def _schedule_and_send(self) -> bool:
-        """Sends the next plan; False when there is nothing to send."""
-        scheduler = self.scheduler
-        prompt_tokens = scheduler.num_prompt_tokens_scheduled
-        plan = scheduler.schedule()
-        self.counters.num_prompt_tokens_computed += (
-            scheduler.num_prompt_tokens_scheduled - prompt_tokens
-        )
-        if plan.is_empty:
-            return False
-        self._step_id += 1
-        plan.step_id = self._step_id
-        if self._trace is not None:
-            self._traced[plan.step_id] = scheduler.plan_shape(plan)
-        self._sent_at[plan.step_id] = time.perf_counter()
-        if not self._in_flight:
-            self._waiting_since = time.monotonic()
-        # In flight from here: a request admitted while the write waits must count this plan
-        # ahead of it (a failed send drops every plan in flight).
-        self._in_flight.append(plan)
-        await self.client.send(plan)
-        return True
+    async def _send_plans(self) -> None:
+        """Sends plans until the core's async depth is reached or there is nothing to send."""
+        while (plan := self.core.next_plan()) is not None:
+            if self._trace is not None:
+                self._traced[plan.step_id] = self.scheduler.plan_shape(plan)
+            self._sent_at[plan.step_id] = time.perf_counter()
+            if len(self.core.in_flight) == 1:
+                self._waiting_since = time.monotonic()
+            await self.client.send(plan)
 
     def _collect_prompt_logprobs(self, runs: dict[str, PromptLogprobRun]) -> None:
         """Appends each run to its client request's prompt logprobs. A prompt computed again
@@ -683,11 +635,10 @@ class EngineLoop:
         its prompt plus the tokens already streamed: clients see neither an error nor a
         repeated token, and generation goes on where it stopped."""
         survivors = [r for client_id in list(self.streams) for r in self.live_copies(client_id)]
-        self.scheduler = self._new_scheduler()
+        # The new block manager's cache is empty: restate it (as nothing) to the index.
+        self.core.reset()
         for r in survivors:
             self._requeue(r)
-        # The new block manager's cache is empty: restate it (as nothing) to the index.
-        self._cache_events = [AllBlocksCleared()]
         self.on_step()
 
     def live_copies(self, client_id: str) -> list[Request]:
@@ -744,4 +695,4 @@ class EngineLoop:
             stream.finished = True
             stream.put(exc)
         self.streams.clear()
-        self.scheduler = self._new_scheduler()
+        self.core.reset(restate_cache=False)

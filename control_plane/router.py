@@ -12,11 +12,12 @@ When the index cannot answer, placement uses load alone and serving goes on.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from control_plane.block_hash import request_block_hashes
-from control_plane.engine import EngineLoop
+from control_plane.engine_core import CacheEvents
 from control_plane.prefix_index import (
     PrefixIndex,
     PrefixIndexTimeout,
@@ -34,6 +35,32 @@ RECOVERY_INTERVAL_S = 0.5
 CHECK_INTERVAL_S = 2.0
 
 
+class Placeable(Protocol):
+    """What placement asks of a worker's engine (`EngineLoop`, or the simulator's worker).
+
+    The router sets `on_step`; the engine calls it after each step, so that the cache events
+    the step left are flushed to the index."""
+
+    healthy: bool  # False: left out of placement while another worker is healthy
+    on_step: Callable[[], None]
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...  # the worker process's; a restarted worker has a new one
+
+    @property
+    def load(self) -> int: ...  # tokens queued or running
+
+    def drain_cache_events(self) -> CacheEvents: ...
+
+    def cached_block_hashes(self) -> list[bytes]: ...
+
+
+W = TypeVar("W", bound=Placeable)
+
+
 @dataclass
 class RoutingCounters:
     num_routed: int = 0
@@ -41,8 +68,8 @@ class RoutingCounters:
     num_lookup_timeouts: int = 0
 
 
-class Router:
-    def __init__(self, loops: Sequence[EngineLoop], index: PrefixIndex, block_size: int) -> None:
+class Router(Generic[W]):
+    def __init__(self, loops: Sequence[W], index: PrefixIndex, block_size: int) -> None:
         self.loops = list(loops)
         self.index = index
         self.block_size = block_size
@@ -53,8 +80,8 @@ class Router:
         for loop in self.loops:
             loop.on_step = self._wakeup.set
 
-    def ref(self, loop: EngineLoop) -> WorkerRef:
-        return WorkerRef(loop.client.address, loop.info.epoch)
+    def ref(self, loop: W) -> WorkerRef:
+        return WorkerRef(loop.address, loop.epoch)
 
     async def start(self) -> None:
         # A worker that restarted has a new epoch: drop what the index says about its old self.
@@ -65,7 +92,7 @@ class Router:
             self._wakeup.set()
         self._tasks.append(asyncio.create_task(self._flush_forever(), name="prefix-index-sync"))
 
-    async def add(self, loop: EngineLoop) -> None:
+    async def add(self, loop: W) -> None:
         """Takes in a worker that registered after the start: what the index says of an earlier
         process at its address carries another epoch and is fenced off already."""
         loop.on_step = self._wakeup.set
@@ -83,21 +110,21 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.index.close()
 
-    async def place(self, prompt_ids: list[int], cache_salt: str | None) -> EngineLoop:
+    async def place(self, prompt_ids: list[int], cache_salt: str | None) -> W:
         self.counters.num_routed += 1
         if len(self.loops) == 1:
             return self.loops[0]
         hits = await self._lookup(prompt_ids, cache_salt)
         n = len(prompt_ids)
 
-        def cost(loop: EngineLoop) -> int:
-            cached = min(hits.get(loop.client.address, 0) * self.block_size, n - 1)
+        def cost(loop: W) -> int:
+            cached = min(hits.get(loop.address, 0) * self.block_size, n - 1)
             return (n - cached) + loop.load
 
         # A worker that does not answer is never chosen (admission has checked that one does;
         # should all stop during the lookup, the failover path takes the request).
         best = min([loop for loop in self.loops if loop.healthy] or self.loops, key=cost)
-        if hits.get(best.client.address, 0) > 0:
+        if hits.get(best.address, 0) > 0:
             self.counters.num_routed_with_prefix_hit += 1
         return best
 

@@ -6,9 +6,10 @@ are replaced by a cost model: a plan's step takes `CostModel.step_time` of virtu
 its result is synthetic (for every row due to sample, the next id of a sequence seeded by the
 request id; EOS once the request has produced the output length its workload gave it).
 
-The loop follows `EngineLoop.step` with async scheduling: while the worker runs plan k, plan
-k+1 is already made and queued, and when k's result arrives it is applied (`update`) before
-plan k+2 is made. A worker with nothing in flight starts as soon as work arrives. There are
+Each worker is driven by the control plane's own `EngineCore`, as `EngineLoop` drives it: with
+async scheduling, while the worker runs plan k, plan k+1 is already made and queued, and when
+k's result arrives it is applied before plan k+2 is made. A worker with nothing in flight
+starts as soon as work arrives. There are
 no threads and no sleeping: events (arrivals, step ends) are popped from one heap in time
 order.
 
@@ -27,16 +28,15 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, TypeVar, cast
 
 from control_plane.block_manager import BlockManager, PrefixHit
-from control_plane.engine import EngineLoop
+from control_plane.engine_core import CacheEvents, EngineCore
 from control_plane.prefix_index import MemoryPrefixIndex, WorkerRef
 from control_plane.request import Request
 from control_plane.router import FLUSH_INTERVAL_S, Router
 from control_plane.scheduler import Scheduler, SchedulerConfig
-from pagedserve.plan import SampledToken, StepPlan, StepResult
+from pagedserve.plan import SampledToken, StepResult
 from pagedserve.sampling_params import InvalidRequestError, SamplingParams
 from simulator.config import SimConfig
 from simulator.cost import CostModel
@@ -155,28 +155,39 @@ class WorkerStats:
     kv_series: list[tuple[float, float, float]] = field(default_factory=list)
 
 
+@dataclass
+class SimStep:
+    """A plan in flight on a simulated worker: its length and the rows due to sample."""
+
+    duration: float
+    sampling: frozenset[str]
+
+
 class SimWorker:
-    """What the router and the loop need of a worker: a real scheduler, a load figure, cache
-    events for the index; plans in flight (the first one running)."""
+    """A simulated worker as the router sees it (`control_plane.router.Placeable`): the
+    engine core that drives it, a load figure, and the plans in flight's simulated steps."""
 
-    # The real folding of block-manager events into index updates.
-    drain_cache_events = EngineLoop.drain_cache_events
-
-    def __init__(self, index: int, scheduler: Scheduler) -> None:
+    def __init__(self, index: int, core: EngineCore) -> None:
         self.index = index
-        self.client = SimpleNamespace(address=f"sim-worker-{index}")
-        self.info = SimpleNamespace(epoch=1)
+        self.address = f"sim-worker-{index}"
+        self.epoch = 1
         self.healthy = True
         self.on_step: Callable[[], None] = lambda: None
-        self.scheduler = scheduler
-        self._cache_events: list[Any] = []
+        self.core = core
         self.load = 0  # tokens queued or running (EngineLoop.load)
-        self.in_flight: deque[tuple[StepPlan, float, frozenset[str]]] = deque()
+        self.steps: deque[SimStep] = deque()  # one per plan in the core's in_flight
         self.stats = WorkerStats()
         self.next_kv_sample = 0.0
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    def drain_cache_events(self) -> CacheEvents:
+        return self.core.drain_cache_events()
+
     def cached_block_hashes(self) -> list[bytes]:
-        return self.scheduler.block_manager.cached_prefix_hashes()
+        return self.core.cached_block_hashes()
 
 
 class Simulation:
@@ -196,9 +207,12 @@ class Simulation:
         self._targets: dict[str, int] = {}  # req_id -> output length (EOS after it)
         self._seeds: dict[str, int] = {}  # req_id -> where its synthetic ids start
         self._prompt_lens: dict[str, int] = {}
-        self.workers = [SimWorker(i, self._scheduler()) for i in range(c.num_workers)]
+        self.workers = [
+            SimWorker(i, EngineCore(self._scheduler, c.async_scheduling))
+            for i in range(c.num_workers)
+        ]
         self.index = CountingPrefixIndex()
-        self.router = Router(cast(list[EngineLoop], self.workers), self.index, c.block_size)
+        self.router = Router(self.workers, self.index, c.block_size)
         self._rr = 0
         self._index_in_use = c.routing == "kv-aware" and c.num_workers > 1
         self._next_sync = 0.0
@@ -305,7 +319,7 @@ class Simulation:
             return
         worker.load += prompt_len
         self.cp_cpu_s += time.perf_counter() - t0
-        if not worker.in_flight:
+        if not worker.core.in_flight:
             self._send(worker)
 
     def _place(self, prompt_ids: list[int]) -> SimWorker:
@@ -313,7 +327,7 @@ class Simulation:
         if len(self.workers) == 1:
             return self.workers[0]
         if routing == "kv-aware":
-            return cast(SimWorker, run_coroutine(self.router.place(prompt_ids, None)))
+            return run_coroutine(self.router.place(prompt_ids, None))
         if routing == "least-loaded":
             return min(self.workers, key=lambda w: w.load)
         self._rr = (self._rr + 1) % len(self.workers)
@@ -322,24 +336,25 @@ class Simulation:
     # -- steps -----------------------------------------------------------------------------------
 
     def _send(self, worker: SimWorker) -> None:
-        """EngineLoop.step's sending half: keeps one plan running and, with async scheduling,
-        the next one made."""
-        while len(worker.in_flight) < (2 if self.config.async_scheduling else 1):
+        """Sends the core's next plans: one running and, with async scheduling, the next one
+        made."""
+        core, steps = worker.core, worker.steps
+        while True:
             t0 = time.perf_counter()
-            sched = worker.scheduler
-            plan = sched.schedule()
-            if plan.is_empty:
+            plan = core.next_plan()
+            if plan is None:
                 self.cp_cpu_s += time.perf_counter() - t0
                 return
+            sched = core.scheduler
             sampling = sched.sampling_rows(plan) if plan.num_scheduled_tokens else frozenset()
             duration = self.cost.step_time(sched.plan_shape(plan))
             self.cp_cpu_s += time.perf_counter() - t0
-            worker.in_flight.append((plan, duration, sampling))
-            if len(worker.in_flight) == 1:
+            steps.append(SimStep(duration, sampling))
+            if len(steps) == 1:
                 self._start(worker)
 
     def _start(self, worker: SimWorker) -> None:
-        plan, duration, _ = worker.in_flight[0]
+        plan, duration = worker.core.oldest, worker.steps[0].duration
         for new in plan.new_requests:
             rec = self.records.get(new.req_id)
             if rec is not None and rec.scheduled is None:
@@ -355,12 +370,12 @@ class Simulation:
 
     def _step_done(self, worker: SimWorker) -> None:
         t0 = time.perf_counter()
-        plan, _, sampling = worker.in_flight.popleft()
-        sched = worker.scheduler
-        if plan.num_scheduled_tokens:
+        core = worker.core
+        plan, sampling = core.oldest, worker.steps.popleft().sampling
+        sampled: dict[str, SampledToken] = {}
+        if sampling:
             targets, seeds, tokens, eos = self._targets, self._seeds, self._tokens, self._eos
-            sampled: dict[str, SampledToken] = {}
-            get_request = sched.get_request
+            get_request = core.scheduler.get_request
             for req_id in sampling:
                 req = get_request(req_id)
                 if req is None:  # ended from outside while the step ran
@@ -369,7 +384,8 @@ class Simulation:
                 sampled[req_id] = (
                     eos if k + 1 >= targets[req_id] else tokens[(seeds[req_id] + k) % NUM_IDS]
                 )
-            deltas = sched.update(plan, StepResult(plan.step_id, sampled))
+        deltas = core.apply(StepResult(plan.step_id, sampled))
+        if plan.num_scheduled_tokens:
             self.cp_steps += 1
             now = self.now
             for d in deltas:
@@ -380,15 +396,14 @@ class Simulation:
                 worker.load += 1
                 if d.finished:
                     self._finished(worker, rec)
-            if self._index_in_use:
-                worker._cache_events += sched.block_manager.drain_events()
-                if now >= self._next_sync:  # the router's flush task: every 5 ms at most
-                    run_coroutine(self.router.sync())
-                    self._next_sync = now + FLUSH_INTERVAL_S
+            if self._index_in_use and now >= self._next_sync:
+                # The router's flush task: every 5 ms at most.
+                run_coroutine(self.router.sync())
+                self._next_sync = now + FLUSH_INTERVAL_S
         self.cp_cpu_s += time.perf_counter() - t0
         if self.now >= worker.next_kv_sample:
             self._sample_kv(worker)
-        if worker.in_flight:
+        if worker.steps:
             self._start(worker)
         self._send(worker)
 
