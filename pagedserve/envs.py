@@ -6,7 +6,7 @@ naming the variable and what it accepts. A child process reads its own environme
 first asks, so a switch set in a worker's environment holds there from its start. Tests that
 change `os.environ` in-process call `reload()`.
 
-The command line's flags read `PAGEDSERVE_<FLAG>` themselves (pagedserve/cli/main.py); the
+The command line's flags read `PAGEDSERVE_<FLAG>` themselves (pagedserve/cli/flags.py); the
 switches here have no flag. docs/architecture.md, "Environment switches", lists them (`table()`).
 """
 

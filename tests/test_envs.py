@@ -15,7 +15,7 @@ from pagedserve.cli.main import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("control_plane", "gpu_worker", "kernels", "gateway", "pagedserve", "simulator")
 # The registry itself, and the command line's per-flag fallback (PAGEDSERVE_<FLAG>).
-READERS = {Path("pagedserve/envs.py"), Path("pagedserve/cli/main.py")}
+READERS = {Path("pagedserve/envs.py"), Path("pagedserve/cli/flags.py")}
 NAME = re.compile(r"PAGEDSERVE_[A-Z0-9_]*")
 DIRECT_READ = re.compile(r"""(environ\.get|getenv|environ\[)\(?\s*["']PAGEDSERVE_""")
 
