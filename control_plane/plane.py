@@ -1,8 +1,8 @@
 """The control plane's domain: the workers it drives (registration as they answer), admission
 (limits, budgets, the waiting bound), placement, and moving a lost worker's requests.
 
-No gRPC service code here: `control_plane.server` maps these calls and their errors to the
-ControlPlane service.
+No gRPC service code here: `control_plane.servicer` maps these calls to the ControlPlane
+service, and `control_plane.grpc_errors` their errors to status codes.
 """
 
 from __future__ import annotations
