@@ -1,4 +1,8 @@
-"""One engine loop per worker: schedule -> execute -> update, and the streams back to clients.
+"""One engine loop per worker: the transport around its `EngineCore`.
+
+The core schedules and applies results (no I/O); the loop sends its plans over gRPC, reads the
+results, publishes each step's tokens to the client streams (`control_plane.streams`), records
+step times (`control_plane.step_telemetry`), and watches the worker's health (failover).
 
 Runs on the control plane's asyncio event loop. Between two awaits the scheduler is touched by
 exactly one coroutine, so adding, aborting and scheduling need no locks: a Generate handler
@@ -8,26 +12,24 @@ adds a request and sets the wake-up event; an abort frees the request's blocks a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import TextIO
 
 import grpc
 
-from control_plane.admission import StepCost, queue_delay
+from control_plane.admission import queue_delay
 from control_plane.block_manager import BlockManager
 from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.engine_core import CacheEvents, EngineCore, EngineCounters
 from control_plane.request import Request, RequestStatus
 from control_plane.scheduler import RequestOutputDelta, Scheduler, SchedulerConfig
+from control_plane.step_telemetry import StepTelemetry
+from control_plane.streams import OutputChunk, RequestStream
+from control_plane.streams import merge_chunks as merge_chunks  # re-exported
 from control_plane.tokenizer import LoadedTokenizer
 from control_plane.worker_client import Probe, WorkerClient, WorkerError, WorkerRefusal
 from pagedserve.log import get_logger
-from pagedserve.plan import PromptLogprobRun, SampledToken, StepPlan, StepResult, StepShape
+from pagedserve.plan import PromptLogprobRun
 from pagedserve.sampling_params import InvalidRequestError
 from protos.v1 import worker_pb2
 
@@ -49,123 +51,6 @@ SILENT_UNHEALTHY_S = 3.0
 # recent slowest step, or the plans' tokens at the recent slowest time per token (a worker
 # handed other workers' requests replays their tokens in steps far larger than its last).
 STEP_DEADLINE_FACTOR = 10.0
-# Before a worker has returned a step there is nothing to scale from: its first step (which
-# may replay a lost worker's requests, or warm kernels) may take this long.
-UNMEASURED_STEP_S = 30.0
-
-
-@dataclass
-class OutputChunk:
-    """What a client receives after a step: the new tokens and the text they completed."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[SampledToken]
-    num_prompt_tokens: int
-    num_output_tokens: int  # of this completion (index), so far
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # a stop token id or a stop string
-    index: int = 0  # which of the request's n completions
-    last: bool = False  # nothing follows for this client request
-    time_to_first_token_s: float | None = None  # set on a completion's final chunk
-    # On the request's first chunk, when asked: prompt tokens 1.. with their logprobs.
-    prompt_logprobs: list[SampledToken] | None = None
-    sequence_score: float | None = None  # beam search: set on each returned sequence
-
-    @property
-    def ends_completion(self) -> bool:
-        return self.last or self.finish_reason is not None
-
-    def copy(self) -> OutputChunk:
-        """A copy with lists of its own (safe to extend)."""
-        return replace(self, token_ids=list(self.token_ids), logprobs=list(self.logprobs))
-
-    def merge(self, later: OutputChunk) -> OutputChunk:
-        """This chunk followed by a later one of the same completion, as a new chunk."""
-        return self.copy().extend(later)
-
-    def extend(self, later: OutputChunk) -> OutputChunk:
-        """Appends a later chunk of the same completion to this one, in place; returns self."""
-        self.token_ids.extend(later.token_ids)
-        self.text += later.text
-        self.logprobs.extend(later.logprobs)
-        self.num_prompt_tokens = later.num_prompt_tokens
-        self.num_output_tokens = later.num_output_tokens
-        self.finish_reason = later.finish_reason
-        self.stop_reason = later.stop_reason
-        self.index = later.index
-        self.last = later.last
-        self.time_to_first_token_s = later.time_to_first_token_s
-        self.sequence_score = later.sequence_score
-        if later.prompt_logprobs is not None:
-            self.prompt_logprobs = later.prompt_logprobs
-        return self
-
-
-def merge_chunks(items: list[OutputChunk | BaseException]) -> list[OutputChunk | BaseException]:
-    """Merges each run of consecutive chunks of one completion into one chunk (order kept)."""
-    out: list[OutputChunk | BaseException] = []
-    for item in items:
-        prev = out[-1] if out else None
-        if (
-            isinstance(item, OutputChunk)
-            and isinstance(prev, OutputChunk)
-            and prev.index == item.index
-            and not prev.ends_completion
-        ):
-            out[-1] = prev.merge(item)
-        else:
-            out.append(item)
-    return out
-
-
-@dataclass
-class RequestStream:
-    """One client request: n completions, each with its own detokenizer and counters.
-
-    final_only: each completion's chunks are held and merged, and reach the queue as one chunk
-    when the completion ends (a non-streaming client's single answer).
-    sink: where chunks go instead of `queue` (a call carrying many requests collects them all
-    in one place, `control_plane.server`)."""
-
-    request: Request
-    detokenizers: list[IncrementalDetokenizer]
-    num_output_tokens: list[int]
-    final_only: bool = False
-    queue: asyncio.Queue[OutputChunk | BaseException] = field(default_factory=asyncio.Queue)
-    sink: Callable[[OutputChunk | BaseException], None] | None = None
-    finished: bool = False
-    first_token_time: float | None = None
-    finished_indexes: set[int] = field(default_factory=set)  # completions that ended
-    prompt_logprobs: list[SampledToken] = field(default_factory=list)  # tokens 1.. of the prompt
-    prompt_logprobs_sent: bool = False
-    batch_id: str = ""  # the batch it came in (GenerateRequest.batch_id), "" alone
-    _held: dict[int, OutputChunk] = field(default_factory=dict)
-
-    def emit(self, chunk: OutputChunk) -> None:
-        if chunk.finish_reason is not None:
-            self.finished_indexes.add(chunk.index)
-        if chunk.ends_completion and self.first_token_time is not None:
-            chunk.time_to_first_token_s = self.first_token_time - self.request.arrival_time
-        if self.final_only:
-            held = self._held.pop(chunk.index, None)
-            # The first chunk held is copied, later ones are appended to it in place: one list
-            # per completion, not a new one per step.
-            chunk = chunk.copy() if held is None else held.extend(chunk)
-            if not chunk.ends_completion:
-                self._held[chunk.index] = chunk
-                return
-            if chunk.last:  # an abort ends every completion: what they had goes first
-                for other in self._held.values():
-                    self.put(other)
-                self._held.clear()
-        self.put(chunk)
-
-    def put(self, item: OutputChunk | BaseException) -> None:
-        if self.sink is not None:
-            self.sink(item)
-        else:
-            self.queue.put_nowait(item)
 
 
 class EngineLoop:
@@ -196,16 +81,10 @@ class EngineLoop:
         self._watch_task: asyncio.Task[None] | None = None
         self._last_answer = time.monotonic()  # a probe answered or a step result arrived
         self._waiting_since = time.monotonic()  # the oldest plan in flight has waited since
-        self._step_s = 0.0  # the worker's recent slowest step (a decaying maximum)
-        self._token_s = 0.0  # its recent slowest time per scheduled token (the same)
         self._recovering = False  # the worker was lost; the run loop waits for it to answer
         self._silent = False  # out of placement for silence alone, not lost yet
         self._lost: tuple[str, bool] | None = None  # (why, hand off at once), for the run loop
-        self._trace: TextIO | None = None  # --step-trace
-        self._traced: dict[int, StepShape] = {}  # step id -> shape
-        self._sent_at: dict[int, float] = {}  # step id -> when it was sent (perf_counter)
-        self._last_result_at = 0.0
-        self.step_cost = StepCost()  # the worker's recent steps, for admission's queue delay
+        self.telemetry = StepTelemetry(client.address)
 
     def _new_scheduler(self) -> Scheduler:
         bm = BlockManager(
@@ -266,25 +145,7 @@ class EngineLoop:
         self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
         self.counters.num_requests_aborted += 1
         if not stream.finished:
-            stream.finished = True
-            # Every completion still open ends with "abort", the last of them closing the call.
-            r = stream.request
-            open_ = [i for i in range(r.sampling.n) if i not in stream.finished_indexes]
-            for k, i in enumerate(open_):
-                detok = stream.detokenizers[i]
-                text = detok.add([], finished=True).text if detok.defer else ""
-                stream.emit(
-                    OutputChunk(
-                        [],
-                        text,
-                        [],
-                        r.num_prompt_tokens,
-                        stream.num_output_tokens[i],
-                        "abort",
-                        index=i,
-                        last=k == len(open_) - 1,
-                    )
-                )
+            stream.end_aborted()
         self._wakeup.set()
         return True
 
@@ -341,7 +202,8 @@ class EngineLoop:
             probe = await self.client.probe(PROBE_TIMEOUT_S)
             now = time.monotonic()
             waited = now - self._waiting_since
-            deadline = max(self.failover_after_s, STEP_DEADLINE_FACTOR * self._expected_step_s())
+            expected_s = self.telemetry.expected_step_s(self.core.in_flight)
+            deadline = max(self.failover_after_s, STEP_DEADLINE_FACTOR * expected_s)
             if self.core.in_flight and not self._recovering and waited >= deadline:
                 self._lose(f"no step result for {waited:.1f} s", hand_off_now=True)
                 continue
@@ -364,30 +226,20 @@ class EngineLoop:
                 self.healthy = False
                 log.warning("worker_silent", worker=self.client.address, silent_s=silent_s)
 
-    def _expected_step_s(self) -> float:
-        if self._step_s == 0.0:
-            return UNMEASURED_STEP_S
-        tokens = sum(p.total_num_scheduled_tokens for p in self.core.in_flight)
-        return max(self._step_s, tokens * self._token_s)
-
     def _drop_in_flight(self) -> None:
         self.core.drop_in_flight()
-        self._sent_at.clear()
+        self.telemetry.dropped()
 
     def queue_delay_s(self, prompt_tokens: int, seats: int) -> float:
         """Seconds a request of this many prompt tokens added now would wait for its first
         token because of the others (`control_plane.admission.queue_delay`)."""
-        now = time.perf_counter()
-        elapsed = 0.0
-        if self.core.in_flight:
-            sent = self._sent_at.get(self.core.in_flight[0].step_id, now)
-            elapsed = now - max(sent, self._last_result_at)
+        in_flight = self.core.in_flight
         return queue_delay(
-            self.step_cost,
+            self.telemetry.step_cost,
             self.scheduler.config,
             self.scheduler.backlog(),
-            (p.total_num_scheduled_tokens for p in self.core.in_flight),
-            elapsed,
+            (p.total_num_scheduled_tokens for p in in_flight),
+            self.telemetry.elapsed_s(in_flight[0] if in_flight else None),
             prompt_tokens,
             seats,
             -(-prompt_tokens // self.info.block_size),
@@ -480,18 +332,7 @@ class EngineLoop:
         plan = self.core.oldest
         result = await self.client.receive(plan)
         self._last_answer = self._waiting_since = time.monotonic()
-        now = time.perf_counter()
-        # The step's length as the control plane sees it: from the later of its send and the
-        # previous result to its own.
-        sent = self._sent_at.pop(plan.step_id, now)
-        seconds = now - max(sent, self._last_result_at)
-        self._last_result_at = now
-        self.step_cost.observe(plan.total_num_scheduled_tokens, seconds)
-        self._step_s = max(result.total_time_s, 0.9 * self._step_s)
-        per_token = result.total_time_s / max(1, plan.total_num_scheduled_tokens)
-        self._token_s = max(per_token, 0.9 * self._token_s)
-        if self._trace is not None:
-            self._write_trace(plan, result, sent, now, seconds)
+        self.telemetry.received(plan, result)
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result.prompt_logprobs)
         for req_id, why in result.failed.items():  # before update, which then skips them
@@ -503,37 +344,14 @@ class EngineLoop:
         self.on_step()
 
     def trace_steps(self, path: str) -> None:
-        """Appends one JSON line per step to `path`: the worker, the step's shape
-        (`Scheduler.plan_shape`), when it was sent and its result read (perf_counter
-        seconds), the worker's own time, `seconds`: from the later of its send and the
-        previous result to its result, the step's length as the control plane sees it, and
-        `new`: the requests the worker gets whole in it (first scheduled, or resumed)."""
-        self._trace = open(path, "a", buffering=1)  # noqa: SIM115 - closed with the process
-
-    def _write_trace(
-        self, plan: StepPlan, result: StepResult, sent: float, now: float, seconds: float
-    ) -> None:
-        assert self._trace is not None
-        shape = self._traced.pop(plan.step_id, None)
-        if shape is not None:
-            line = {
-                "worker": self.client.address,
-                "step": plan.step_id,
-                **dataclasses.asdict(shape),
-                "sent": sent,
-                "received": now,
-                "seconds": seconds,
-                "worker_seconds": result.total_time_s,
-                "new": [r.req_id for r in plan.new_requests],
-            }
-            self._trace.write(json.dumps(line) + "\n")
+        """Appends one JSON line per step to `path` (`StepTelemetry.trace_to`)."""
+        self.telemetry.trace_to(path)
 
     async def _send_plans(self) -> None:
         """Sends plans until the core's async depth is reached or there is nothing to send."""
         while (plan := self.core.next_plan()) is not None:
-            if self._trace is not None:
-                self._traced[plan.step_id] = self.scheduler.plan_shape(plan)
-            self._sent_at[plan.step_id] = time.perf_counter()
+            tracing = self.telemetry.tracing
+            self.telemetry.sent(plan, self.scheduler.plan_shape(plan) if tracing else None)
             if len(self.core.in_flight) == 1:
                 self._waiting_since = time.monotonic()
             await self.client.send(plan)
@@ -560,37 +378,11 @@ class EngineLoop:
             stream = self.streams.get(client_id)
             if stream is None or stream.finished:
                 continue
-            r = stream.request
             self.counters.num_generated_tokens += len(d.new_token_ids)
-            if stream.first_token_time is None:
-                stream.first_token_time = now
-            stream.num_output_tokens[d.index] += len(d.new_token_ids)
-            text = stream.detokenizers[d.index].add(d.new_token_ids, d.finished)
-            finish_reason: str | None = d.finish_reason
-            stop_reason: int | str | None = d.stop_reason
-            if text.stop_string is not None:
-                finish_reason, stop_reason = "stop", text.stop_string
-                if r.sampling.include_stop_str_in_output:
-                    text = replace(text, text=text.text + text.stop_string)
-                if not d.finished:
-                    # A stop string ends this completion only; its siblings go on.
-                    self.scheduler.finish_requests([d.req_id], RequestStatus.FINISHED_STOPPED)
-            chunk = OutputChunk(
-                token_ids=d.new_token_ids,
-                text=text.text,
-                logprobs=d.logprobs,
-                num_prompt_tokens=r.num_prompt_tokens,
-                num_output_tokens=stream.num_output_tokens[d.index],
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                index=d.index,
-                sequence_score=d.sequence_score,
-            )
-            if r.sampling.prompt_logprobs is not None and not stream.prompt_logprobs_sent:
-                # The first prompt token has nothing before it: NaN, as "no logprob".
-                first = SampledToken(r.prompt_token_ids[0], math.nan, rank=0)
-                chunk.prompt_logprobs = [first, *stream.prompt_logprobs]
-                stream.prompt_logprobs_sent = True
+            chunk = stream.chunk_for(d, now)
+            if isinstance(chunk.stop_reason, str) and not d.finished:
+                # A stop string ends this completion only; its siblings go on.
+                self.scheduler.finish_requests([d.req_id], RequestStatus.FINISHED_STOPPED)
             chunks.append((client_id, stream, chunk))
         # A client's call ends with its last chunk of this step once none of its completions
         # is live: decided after every delta, since a stop string can end a completion after

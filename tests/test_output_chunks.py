@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from control_plane.engine import OutputChunk, RequestStream, merge_chunks
 from control_plane.request import Request
+from control_plane.streams import OutputChunk, RequestStream, merge_chunks
 from pagedserve.plan import SampledToken
 from pagedserve.sampling_params import SamplingParams
 
