@@ -9,9 +9,8 @@ request id; EOS once the request has produced the output length its workload gav
 Each worker is driven by the control plane's own `EngineCore`, as `EngineLoop` drives it: with
 async scheduling, while the worker runs plan k, plan k+1 is already made and queued, and when
 k's result arrives it is applied before plan k+2 is made. A worker with nothing in flight
-starts as soon as work arrives. There are
-no threads and no sleeping: events (arrivals, step ends) are popped from one heap in time
-order.
+starts as soon as work arrives. There are no threads and no sleeping: events (arrivals, step
+ends) are popped from one heap in time order.
 
 What it records per request: arrival, first scheduled, first token, finish, output tokens and
 preemptions; per worker: steps, batch sizes, preemptions, KV use over time, prefix-cache
