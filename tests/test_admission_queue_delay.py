@@ -22,6 +22,7 @@ from protos.v1 import control_plane_pb2_grpc as pb_grpc
 from tests.gateway_stack import gateway_process
 from tests.procs import ServerProcess
 from tests.stack import generate, start_stack
+from tests.stack import request as generate_request
 from tests.test_scheduler import make, request, step
 
 CFG = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=100, max_model_len=1024)
@@ -122,47 +123,54 @@ def test_the_backlog_is_what_the_scheduler_holds() -> None:
 def test_a_tight_bound_refuses_at_once_and_runs_what_it_admits(
     spawn: Callable[..., ServerProcess], micro_llama: Path
 ) -> None:
-    """With a bound below any step, only a request that finds the worker idle is admitted:
-    the others hear RESOURCE_EXHAUSTED naming the flag, and HTTP clients 429 with Retry-After;
-    what was admitted finishes, and an idle worker admits again."""
-    stack = start_stack(spawn, micro_llama, cp_args=("--max-queue-delay", "0.000001"))
+    """With a bound below any step, a request that finds a row decoding is refused: the
+    prompt tokens a step may carry beside decodes (--max-prefill-tokens-with-decodes) are fewer
+    than its prompt, so it would take a step more than alone, whatever the fitted step costs.
+    It hears RESOURCE_EXHAUSTED naming the flag, an HTTP client 429 with Retry-After; what was
+    admitted finishes, and an idle worker admits again. Only the order of events matters, not
+    how fast the machine is: every request below waits for the one it depends on."""
+    cp_args = ("--max-queue-delay", "0.000001", "--max-prefill-tokens-with-decodes", "32")
+    stack = start_stack(spawn, micro_llama, cp_args=cp_args)
     stub = pb_grpc.ControlPlaneStub(grpc.insecure_channel(stack.address))
     generate(stub, [5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True)  # steps measured
 
-    def one(i: int) -> str:
-        try:
-            out = generate(stub, [5 + i] * 40, max_tokens=150, temperature=0.0, ignore_eos=True)
-            assert len(out.token_ids) == 150
-            return out.finish_reason
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-            assert "--max-queue-delay" in (exc.details() or ""), exc.details()
-            return "refused"
+    def refusal(i: int) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as info:
+            generate(stub, [5 + i] * 40, max_tokens=150, temperature=0.0, ignore_eos=True)
+        exc = info.value
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        assert "--max-queue-delay" in (exc.details() or ""), exc.details()
+        return exc
 
-    with ThreadPoolExecutor(12) as pool:
-        outcomes = list(pool.map(one, range(12)))
-    assert "length" in outcomes and "refused" in outcomes, outcomes
+    def post(_: int) -> httpx.Response:
+        body = {"prompt": [9] * 40, "max_tokens": 150, "ignore_eos": True}
+        return httpx.post(f"{gw.url}/v1/completions", json=body, timeout=300)
 
     gw = gateway_process(stack.address)
     try:
-        body = {"prompt": [9] * 40, "max_tokens": 150, "ignore_eos": True}
+        # The worker is idle: admitted. Its first token is out, so its row decodes for 149
+        # steps more while the others ask (each is answered before the first step it would
+        # join, and a refusal takes no step at all).
+        ask = generate_request([5] * 40, max_tokens=150, temperature=0.0, ignore_eos=True)
+        running = stub.Generate(ask, timeout=300)
+        first = next(running)
         with ThreadPoolExecutor(8) as pool:
-            responses = list(
-                pool.map(
-                    lambda _: httpx.post(f"{gw.url}/v1/completions", json=body, timeout=120),
-                    range(8),
-                )
-            )
-        codes = {r.status_code for r in responses}
-        assert codes == {200, 429}, codes
+            list(pool.map(refusal, range(8)))
+            responses = list(pool.map(post, range(8)))
         for r in responses:
-            if r.status_code == 429:
-                assert int(r.headers["retry-after"]) >= 1
-                assert "--max-queue-delay" in r.json()["error"]["message"]
+            assert r.status_code == 429, r.text
+            assert int(r.headers["retry-after"]) >= 1
+            assert "--max-queue-delay" in r.json()["error"]["message"]
+        rest = list(running)
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 150
+        assert rest[-1].finish_reason == "length"
+        # Idle again: admitted, over gRPC and over HTTP.
+        assert generate(stub, [5] * 40, max_tokens=4, temperature=0.0).finish_reason
+        r = post(0)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 150
     finally:
         gw.stop()
-    # Idle again: admitted.
-    assert generate(stub, [5] * 40, max_tokens=4, temperature=0.0).finish_reason
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon"])
