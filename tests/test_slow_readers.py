@@ -1,8 +1,6 @@
-"""Clients that never read: the gateway holds a bounded buffer for them, the control plane's
-writes wait under gRPC flow control, and after the stall timeout their requests are aborted and
-their KV blocks freed, and their connections closed, answer finished or not; memory stays
-bounded. Real worker, control plane, gateway; a scripted control plane for answers of a
-chosen size."""
+"""Streaming clients that never read: the gateway holds a bounded buffer for them, the control
+plane's writes wait under gRPC flow control, and after the stall timeout their requests are
+aborted and their KV blocks freed; memory stays bounded. Real worker, control plane, gateway."""
 
 from __future__ import annotations
 
@@ -15,15 +13,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway_stack import Processes, gateway_process
-from tests.paced_control_plane import PacedServer
+from tests.gateway_stack import gateway_process
 from tests.procs import ServerProcess
 from tests.stack import start_stack
 
-# Wall-clock bounds: run alone (`make test` runs these after the rest).
-pytestmark = pytest.mark.serial
-
 STALL_S = 1
+# How long the stalled requests may take to be aborted: a stall starts only once the
+# gateway's socket and transport buffers are full (a few MB), at whatever pace the machine
+# generates tokens. This bounds a hang; the order of events is what is checked.
+ABORT_WAIT_S = 240
+# The two stall checks, either of which may cut a stalled stream off first: the response's
+# (messages waiting untaken, gateway.upstream.Inbox) and the connection's (bytes unsent,
+# gateway.connections).
+STALL_EVENTS = ("stream_stalled", "http_write_stalled")
 
 
 def rss_mib(pid: int) -> float:
@@ -34,27 +36,26 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def never_reading_stream(port: int, body: dict[str, object], rid: str = "") -> socket.socket:
-    """A streamed completion request on a socket that is never read (a small receive buffer,
-    so the server's writes back up at once), with x-request-id `rid` where given."""
+def never_reading_stream(port: int, path: str, body: dict[str, object], rid: str) -> socket.socket:
+    """A streamed request to `path` on a socket that is never read (a small receive buffer, so
+    the server's writes back up at once), with x-request-id `rid`."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
-    header = f"x-request-id: {rid}\r\n" if rid else ""
     s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"{header}Content-Length: {len(data)}\r\n\r\n".encode()
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + f"x-request-id: {rid}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
     return s
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(ABORT_WAIT_S + 180)
 def test_never_reading_clients_are_bounded_then_aborted(
     spawn: Callable[..., ServerProcess], micro_llama: Path
 ) -> None:
-    stack = start_stack(spawn, micro_llama, num_gpu_blocks=512)
+    stack = start_stack(spawn, micro_llama, num_gpu_blocks=2048)
     gw = gateway_process(stack.address, "--stream-stall-timeout", str(STALL_S))
     port = int(gw.url.rsplit(":", 1)[1])
     try:
@@ -64,34 +65,39 @@ def test_never_reading_clients_are_bounded_then_aborted(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": [5, 6, 7], "max_tokens": 2},
             headers={"x-request-id": "opener"},
-            timeout=30,
+            timeout=60,
         )
         assert opener.status_code == 200, opener.text
         before = rss_mib(gw.proc.pid)
+        # The most bytes a step can make (16 completions, 20 alternatives to each token with
+        # their bytes), so that few steps fill the buffers on a slow machine too.
         body = {
-            "prompt": [5, 6, 7], "max_tokens": 2000, "n": 8, "logprobs": 5, "stream": True,
-            "ignore_eos": True, "temperature": 1.0, "seed": 1,
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "n": 16,
+            "logprobs": True, "top_logprobs": 20, "stream": True, "ignore_eos": True,
+            "temperature": 1.0, "seed": 1,
         }  # fmt: skip
-        clients = [never_reading_stream(port, body, f"stalled-{i}") for i in range(2)]
+        path = "/v1/chat/completions"
+        clients = [never_reading_stream(port, path, body, f"stalled-{i}") for i in range(2)]
         peak = before
-        start = time.monotonic()
-        while time.monotonic() - start < STALL_S + 20:
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while time.monotonic() < deadline:
             peak = max(peak, rss_mib(gw.proc.pid))
             s = stack.stats()
             if s.num_requests_aborted >= 2 and s.num_running == 0:
                 break
             time.sleep(0.2)
         s = stack.stats()
-        # Both requests aborted after the stall, long before their 2,000 tokens x 8.
+        # Both requests aborted after the stall, long before their 2,000 tokens x 16.
         assert s.num_requests_aborted >= 2 and s.num_running == 0, s
-        assert s.workers[0].num_generated_tokens < 2 * 8 * 2000
+        assert s.workers[0].num_generated_tokens < 2 * 16 * 2000
         assert s.workers[0].num_free_gpu_blocks == total_blocks
-        events = [json.loads(line) for line in gw.output().splitlines() if line.startswith("{")]
-        # Noticed by the connection (the client took no bytes) or by the request (it took no
-        # messages), whichever comes first; each names the stalled request, not the one that
-        # opened the shared call.
-        stalls = [e for e in events if e["event"] in ("http_write_stalled", "stream_stalled")]
-        assert sorted({e["request_id"] for e in stalls}) == ["stalled-0", "stalled-1"], stalls
+        stalls = [
+            json.loads(line)
+            for line in gw.output().splitlines()
+            if line.startswith("{") and any(f'"{e}"' in line for e in STALL_EVENTS)
+        ]
+        # Each stalled request is named, never the one that opened the shared call.
+        assert {e["request_id"] for e in stalls} == {"stalled-0", "stalled-1"}, stalls
         assert peak - before < 40, f"gateway grew {peak - before:.0f} MiB"
         for c in clients:
             c.close()
@@ -101,52 +107,8 @@ def test_never_reading_clients_are_bounded_then_aborted(
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": [5, 6, 7], "max_tokens": 4},
-            timeout=30,
+            timeout=60,
         )
         assert r.status_code == 200, r.text
     finally:
         gw.stop()
-
-
-def read_until_closed(s: socket.socket, timeout: float) -> tuple[int, bool]:
-    """(bytes read, whether the server closed the connection) within `timeout`."""
-    s.settimeout(timeout)
-    total = 0
-    try:
-        while chunk := s.recv(1 << 16):
-            total += len(chunk)
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return total, False
-    return total, True
-
-
-@pytest.mark.timeout(120)
-def test_a_finished_answer_is_not_held_for_a_client_that_never_reads() -> None:
-    """The answer is all there (generation ended): 8 MiB wait in the gateway for a client that
-    reads none of them. After the stall timeout the connection is cut and they are dropped;
-    before, the socket and its bytes were held for as long as the client kept it open."""
-    size = 8 << 20
-    server = PacedServer()
-    procs = Processes()
-    try:
-        gw = procs.gateway(
-            server.address, "--served-model-name", "m", "--stream-stall-timeout", str(STALL_S)
-        )
-        port = int(gw.url.rsplit(":", 1)[1])
-        for stream in (True, False):
-            body = {"prompt": f"big:{size}", "max_tokens": 1, "stream": stream}
-            client = never_reading_stream(port, body)
-            time.sleep(STALL_S + 4)
-            # Reading now: a connection still open would hand over the whole answer.
-            got, closed = read_until_closed(client, timeout=3)
-            client.close()
-            assert closed and got < size, (stream, got, closed)
-        r = httpx.post(
-            f"{gw.url}/v1/completions", json={"prompt": "ok", "max_tokens": 1}, timeout=30
-        )
-        assert r.status_code == 200, r.text
-    finally:
-        procs.stop_all()
-        server.stop()
