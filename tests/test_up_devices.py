@@ -137,3 +137,20 @@ def test_up_says_so_in_one_line_before_starting_anything(micro_llama: Path) -> N
         "(worker i on GPU i) or --device cuda --devices 0,1,..."
     )
     assert "worker-0 |" not in out.stdout  # nothing started
+
+
+def test_cpu_workers_on_one_host_split_the_default_pool(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each of N CPU workers gets 1/N of the pool one worker would take from the free memory,
+    rather than all N sizing themselves from it; a given size or one worker is left alone."""
+    monkeypatch.setattr(cluster, "available_bytes", lambda: 16 << 30)  # default: 4 GiB
+    workers = started_workers(["--workers", "4"], monkeypatch, tmp_path)
+    for argv, _ in workers.values():
+        assert argv[argv.index("--kv-cache-memory") + 1] == str(1 << 30)
+    one = started_workers([], monkeypatch, tmp_path)
+    assert all("--kv-cache-memory" not in argv for argv, _ in one.values())
+    given = started_workers(["--workers", "2", "--kv-cache-memory", "2GiB"], monkeypatch, tmp_path)
+    for argv, _ in given.values():
+        assert argv.count("--kv-cache-memory") == 1
+        assert argv[argv.index("--kv-cache-memory") + 1] == str(2 << 30)

@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gpu_worker.host_memory import available_bytes
 from pagedserve import envs, grpc_security
 from pagedserve.cli import devices
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
@@ -247,6 +248,17 @@ GATEWAY_FLAGS = [
 ]
 
 
+def cpu_kv_share(workers: int, device: str, kv_cache_memory: int | None) -> int | None:
+    """Each CPU worker's KV pool where several share this host and none was given: one
+    default pool split between them (alone, each would size itself from the same free
+    memory and together take it several times over). None: the worker sizes its own."""
+    if workers < 2 or kv_cache_memory is not None or device.startswith("cuda"):
+        return None
+    from gpu_worker.config import default_kv_cache_memory  # with torch: only where needed
+
+    return default_kv_cache_memory(available_bytes()) // workers
+
+
 def _start_redis(a: argparse.Namespace, env: dict[str, str]) -> tuple[Child | None, str | None]:
     """redis-server on a free (or the given) port, or None when it is not installed: Redis
     only holds routing hints, so serving goes on without it."""
@@ -340,10 +352,13 @@ def run_cluster(a: argparse.Namespace, model_dir: str) -> int:
                 restartable.append(redis)
         addresses = []
         workers = []
+        kv_share = cpu_kv_share(a.workers, a.device, a.kv_cache_memory)
         for i, extra in enumerate(worker_envs):
             port = a.worker_base_port + i
             addresses.append(f"{a.host}:{port}")
             argv = ["worker", "--model", model_dir, "--host", a.host, "--port", str(port)]
+            if kv_share is not None:
+                argv += ["--kv-cache-memory", str(kv_share)]
             argv = py + argv + _passthrough(a, WORKER_FLAGS)
             workers.append(Child(f"worker-{i}", argv, {**env, **extra}, WHILE_DOWN["worker"]))
             if extra:
