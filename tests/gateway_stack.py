@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import ServerProcess, free_port
+from tests.procs import STARTUP_S, ServerProcess, free_port
 from tests.redis_proc import RedisServer
 from tests.stack import Stack, start_stack
 
@@ -29,7 +29,7 @@ class HttpProcess(ServerProcess):
         super().__init__(name, args, ready_address=url, env=env)
         self.url = url
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = STARTUP_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

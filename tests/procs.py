@@ -14,7 +14,12 @@ from benchmarks.common import Process
 from pagedserve.grpc_security import INSECURE, GrpcSecurity
 from pagedserve.ports import free_port
 
-__all__ = ["ServerProcess", "drain", "free_port", "read_until"]
+__all__ = ["STARTUP_S", "ServerProcess", "drain", "free_port", "read_until"]
+
+# How long a process may take to come up before it counts as hung. On a quiet machine a worker
+# is ready in seconds; a shared one at a load of 25 took over two minutes just to import torch.
+# A process that exits is reported at once, whatever this is.
+STARTUP_S = 300.0
 
 
 def read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 180.0) -> list[str]:
@@ -67,7 +72,7 @@ class ServerProcess(Process):
         self.security = security
         self.ready_service = ready_service
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = STARTUP_S) -> None:
         self.wait_serving(self.address, timeout, self.security, self.ready_service)
 
     def stop(self, timeout: float = 10.0) -> None:
