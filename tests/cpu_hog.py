@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,11 +26,12 @@ from contextlib import contextmanager
 NICE = 0
 
 
-def _spin(seconds: float) -> None:
+def _spin(seconds: float, parent: int) -> None:
     os.nice(NICE)
     end = time.monotonic() + seconds
     x = 0
-    while time.monotonic() < end:
+    # Until the time is up or the hog is gone (killed without a chance to stop its spinners).
+    while time.monotonic() < end and os.getppid() == parent:
         for _ in range(100_000):
             x = (x * 31 + 7) & 0xFFFF
 
@@ -38,7 +40,8 @@ def _spin(seconds: float) -> None:
 def cpu_hog(procs: int, seconds: float = 3600.0) -> Iterator[list[mp.Process]]:
     """`procs` spinning processes for the body of the `with` (at most `seconds`)."""
     ctx = mp.get_context("spawn")  # no copy of the caller's threads or locks
-    spinners = [ctx.Process(target=_spin, args=(seconds,), daemon=True) for _ in range(procs)]
+    me = os.getpid()
+    spinners = [ctx.Process(target=_spin, args=(seconds, me), daemon=True) for _ in range(procs)]
     for p in spinners:
         p.start()
     try:
@@ -65,9 +68,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-n", "--procs", type=int, default=2 * (os.cpu_count() or 1))
     parser.add_argument("--seconds", type=float, default=3600.0, help="without a command")
     opts = parser.parse_args(args)
+    # A plain `kill` stops the spinners too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with cpu_hog(opts.procs, opts.seconds) as spinners:
         if command:
-            return subprocess.call(command)
+            proc = subprocess.Popen(command)
+            try:
+                return proc.wait()
+            finally:
+                if proc.poll() is None:  # the hog was stopped first: the command with it
+                    proc.terminate()
+                    proc.wait()
         try:
             for p in spinners:
                 p.join()
