@@ -8,9 +8,11 @@ import math
 import random
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import httpx
@@ -18,12 +20,14 @@ import pytest
 
 from control_plane.admission import StepCost, queue_delay
 from control_plane.scheduler import Backlog, SchedulerConfig
-from protos.v1 import control_plane_pb2_grpc as pb_grpc
+from protos.v1 import control_plane_pb2 as pb
 from tests.gateway_stack import gateway_process
 from tests.procs import ServerProcess
-from tests.stack import generate, start_stack
+from tests.stack import Stack, generate, start_stack
 from tests.stack import request as generate_request
 from tests.test_scheduler import make, request, step
+
+T = TypeVar("T")
 
 CFG = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=100, max_model_len=1024)
 IDLE = Backlog(rows=0, prefill_tokens=0, seats=0, blocks_needed=0, free_blocks=1000)
@@ -120,6 +124,35 @@ def test_the_backlog_is_what_the_scheduler_holds() -> None:
     assert b.free_blocks == 64 - 3 - 2  # a holds 3 blocks (10 tokens + 1), b 2
 
 
+def when_idle(stack: Stack, call: Callable[[], T | None]) -> T:
+    """What call() gives on an idle worker (None: refused). A request that has just ended may
+    have a plan still in flight, sent ahead before its last token came back; the worker
+    computes it before anything else, so a tight bound refuses what comes meanwhile. After a
+    refusal, call() again once the worker has answered a step more."""
+    for _ in range(3):
+        steps = stack.stats().workers[0].num_steps
+        out = call()
+        if out is not None:
+            return out
+        while stack.stats().workers[0].num_steps == steps:
+            time.sleep(0.01)
+    raise AssertionError("an idle worker refused three times")
+
+
+def unless_refused(call: Callable[[], T]) -> Callable[[], T | None]:
+    """call, with RESOURCE_EXHAUSTED as None."""
+
+    def attempt() -> T | None:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            return None
+
+    return attempt
+
+
 def test_a_tight_bound_refuses_at_once_and_runs_what_it_admits(
     spawn: Callable[..., ServerProcess], micro_llama: Path
 ) -> None:
@@ -128,35 +161,41 @@ def test_a_tight_bound_refuses_at_once_and_runs_what_it_admits(
     than its prompt, so it would take a step more than alone, whatever the fitted step costs.
     It hears RESOURCE_EXHAUSTED naming the flag, an HTTP client 429 with Retry-After; what was
     admitted finishes, and an idle worker admits again. Only the order of events matters, not
-    how fast the machine is: every request below waits for the one it depends on."""
+    how fast the machine is: each request is sent once the one it depends on is where it must
+    be."""
     cp_args = ("--max-queue-delay", "0.000001", "--max-prefill-tokens-with-decodes", "32")
     stack = start_stack(spawn, micro_llama, cp_args=cp_args)
-    stub = pb_grpc.ControlPlaneStub(grpc.insecure_channel(stack.address))
+    stub = stack.stub
     generate(stub, [5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True)  # steps measured
 
-    def refusal(i: int) -> grpc.RpcError:
+    def refusal(i: int) -> None:
         with pytest.raises(grpc.RpcError) as info:
             generate(stub, [5 + i] * 40, max_tokens=150, temperature=0.0, ignore_eos=True)
-        exc = info.value
-        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-        assert "--max-queue-delay" in (exc.details() or ""), exc.details()
-        return exc
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+        assert "--max-queue-delay" in (info.value.details() or ""), info.value.details()
 
-    def post(_: int) -> httpx.Response:
-        body = {"prompt": [9] * 40, "max_tokens": 150, "ignore_eos": True}
+    def post(max_tokens: int) -> httpx.Response:
+        body = {"prompt": [9] * 40, "max_tokens": max_tokens, "ignore_eos": True}
         return httpx.post(f"{gw.url}/v1/completions", json=body, timeout=300)
+
+    def start_running() -> tuple[pb.GenerateResponse, Iterator[pb.GenerateResponse]]:
+        ask = generate_request([5] * 40, max_tokens=150, temperature=0.0, ignore_eos=True)
+        running = stub.Generate(ask, timeout=300)
+        return next(running), running
+
+    def served_over_http() -> httpx.Response | None:
+        r = post(8)
+        return None if r.status_code == 429 else r
 
     gw = gateway_process(stack.address)
     try:
-        # The worker is idle: admitted. Its first token is out, so its row decodes for 149
-        # steps more while the others ask (each is answered before the first step it would
-        # join, and a refusal takes no step at all).
-        ask = generate_request([5] * 40, max_tokens=150, temperature=0.0, ignore_eos=True)
-        running = stub.Generate(ask, timeout=300)
-        first = next(running)
+        # Admitted by an idle worker. Its first token is out, so its row decodes for 149 steps
+        # more while the others ask (each is answered before the first step it would join, and
+        # a refusal takes no step at all).
+        first, running = when_idle(stack, unless_refused(start_running))
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(refusal, range(8)))
-            responses = list(pool.map(post, range(8)))
+            responses = list(pool.map(post, [150] * 8))
         for r in responses:
             assert r.status_code == 429, r.text
             assert int(r.headers["retry-after"]) >= 1
@@ -165,10 +204,14 @@ def test_a_tight_bound_refuses_at_once_and_runs_what_it_admits(
         assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 150
         assert rest[-1].finish_reason == "length"
         # Idle again: admitted, over gRPC and over HTTP.
-        assert generate(stub, [5] * 40, max_tokens=4, temperature=0.0).finish_reason
-        r = post(0)
+        again = when_idle(
+            stack,
+            unless_refused(lambda: generate(stub, [5] * 40, max_tokens=4, temperature=0.0)),
+        )
+        assert again.finish_reason
+        r = when_idle(stack, served_over_http)
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 150
+        assert r.json()["usage"]["completion_tokens"] == 8
     finally:
         gw.stop()
 
