@@ -64,7 +64,7 @@ def run_all(stack: Stack, prompts: list[list[int]], workers: int = 12) -> list[l
         return list(pool.map(one, prompts))
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+def wait_for(cond: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
@@ -72,13 +72,16 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 def test_shared_prefix_routing_and_computed_tokens(
-    stack: Stack, expected: dict[tuple[int, ...], list[int]]
+    stack: Stack, redis_server: RedisServer, expected: dict[tuple[int, ...], list[int]]
 ) -> None:
     before = stack.stats()
     assert before.prefix_index_available
     first = run_all(stack, SHARED[:1])
     assert first[0] == expected[tuple(SHARED[0])]
-    time.sleep(0.2)  # the index is written off the request path, after the step
+    # The index is written off the request path, after the step: wait for the system
+    # prompt's blocks to be in it.
+    index = redis_server.client()
+    wait_for(lambda: len(index.keys("*:b:*")) >= SYSTEM_LEN // BLOCK)
 
     # One at a time, every worker is idle at placement: the prefix alone decides, and every
     # later shared request goes where the system prompt is cached.
