@@ -213,6 +213,11 @@ def test_services_stop_on_sigint_and_sigterm_even_when_sigint_was_ignored(
                 p.wait()
 
 
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
 def test_up_children_die_with_up() -> None:
     """`up` starts every child through `pagedserve.child_exec`: killed without a chance to
     clean up, `up` still takes its children with it."""
@@ -228,12 +233,13 @@ def test_up_children_die_with_up() -> None:
     )
     assert parent.stdout is not None
     child_pid = int(parent.stdout.readline())
-    time.sleep(0.5)  # the child has exec'd `sleep` by now
-    with open(f"/proc/{child_pid}/cmdline", "rb") as f:
-        assert f.read().startswith(b"sleep")
+    deadline = time.monotonic() + 120  # the guard starts Python first, then exec's `sleep`
+    while not _cmdline(child_pid).startswith(b"sleep"):
+        assert time.monotonic() < deadline, _cmdline(child_pid)
+        time.sleep(0.05)
     parent.kill()
     parent.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and _alive(child_pid):
         time.sleep(0.1)
     assert not _alive(child_pid)
