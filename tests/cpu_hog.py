@@ -6,7 +6,8 @@ Tests must hold on a shared machine whose cores are taken by others. Run one bes
     python -m tests.cpu_hog -n 8 --seconds 600      # alone, until the time is up or Ctrl-C
 
 With a command, the hog starts first, the command runs, and the hog stops when it ends; the exit
-status is the command's. In Python, `with cpu_hog(8): ...` does the same.
+status is the command's. In Python, `with cpu_hog(8): ...` (or `with busy_machine(): ...`) does
+the same, so that a test can check that what it asserts holds on a busy machine.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 # Each spinner is one process at the default priority, so that it takes a full share of a core
 # from the processes under test, as another user's job would.
 NICE = 0
 
 
-def _spin(seconds: float, parent: int) -> None:
+def _spin(seconds: float, parent: int, started: Any) -> None:
     os.nice(NICE)
+    started.release()
     end = time.monotonic() + seconds
     x = 0
     # Until the time is up or the hog is gone (killed without a chance to stop its spinners).
@@ -40,17 +43,28 @@ def _spin(seconds: float, parent: int) -> None:
 def cpu_hog(procs: int, seconds: float = 3600.0) -> Iterator[list[mp.Process]]:
     """`procs` spinning processes for the body of the `with` (at most `seconds`)."""
     ctx = mp.get_context("spawn")  # no copy of the caller's threads or locks
-    me = os.getpid()
-    spinners = [ctx.Process(target=_spin, args=(seconds, me), daemon=True) for _ in range(procs)]
+    me, started = os.getpid(), ctx.Semaphore(0)
+    spinners = [
+        ctx.Process(target=_spin, args=(seconds, me, started), daemon=True) for _ in range(procs)
+    ]
     for p in spinners:
         p.start()
     try:
+        for _ in spinners:  # the body runs on a machine already busy
+            if not started.acquire(timeout=120):
+                raise RuntimeError("a spinner did not start")
         yield spinners
     finally:
         for p in spinners:
             p.terminate()
         for p in spinners:
             p.join(10)
+
+
+def busy_machine() -> AbstractContextManager[list[mp.Process]]:
+    """Eight spinners a core beside the `with` body: on two cores, a load of 16 and more, as a
+    shared CI machine has (10-27 measured under `make test`)."""
+    return cpu_hog(8 * (os.cpu_count() or 1))
 
 
 def load_average() -> float:
