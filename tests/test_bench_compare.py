@@ -12,7 +12,10 @@ import pytest
 from benchmarks import bf16_targets, offline_throughput, serve_compare
 
 
-@pytest.mark.serial  # two `up` stacks with vLLM's KV budget each (4 GiB)
+# Two `up` stacks with vLLM's KV budget each (4 GiB). At a load of 30 they served 2 tokens a
+# second, 500 tokens each: the timeout only bounds a hang.
+@pytest.mark.serial
+@pytest.mark.timeout(1800)
 def test_serve_compare_with_a_variant(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     variant = "PAGEDSERVE_CPU_TEAM=0 --num-threads 1"
