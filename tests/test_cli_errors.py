@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,7 +31,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         [sys.executable, "-m", "pagedserve.cli", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang: a busy machine takes minutes to import what some commands need
         env={**clean, "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
@@ -173,12 +172,11 @@ def test_up_names_the_flag_of_a_busy_port(micro_llama: Path, busy_port: int, fla
         else:
             given[flag] = str(busy_port)
         args = [x for kv in given.items() for x in kv]
-        t0 = time.monotonic()
         out = run_cli("up", "--model", str(micro_llama), "--workers", "2", *args)
     assert one_line_error(out) == (
         f"pagedserve: port {busy_port} is in use; choose another with {flag}"
     )
-    assert out.stdout == "" and time.monotonic() - t0 < 20  # no child was started
+    assert out.stdout == ""  # no child was started: each logs on up's stdout from its start
 
 
 def test_up_refuses_overlapping_ports(micro_llama: Path) -> None:
